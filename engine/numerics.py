@@ -1,0 +1,149 @@
+"""The dispatch points: every numeric operation of the model goes through here.
+
+The recipe decides, this module executes (emulated, bit-exact through
+`engine.formats`). Low-precision activations travel between ops as
+`QTensor` records (data + scales + spec): a fused norm->quant or act->quant
+hands its FP8 output straight to the next GEMM without a round trip through
+high precision -- the "unified dataflow".
+
+Dispatch points: `rmsnorm` (+ `act_quant`), `linear`, `attention`, `round`
+(residual / embedding / any storage site). Each emits named taps through
+`self.tap(name, tensor)` when a tap callback is installed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine.formats import QTensor, quantize
+from engine.formats.accumulate import matmul_accum
+from engine.recipe import HIGH_PRECISION, Recipe
+
+TapFn = Callable[[str, torch.Tensor], None]
+QuantObserver = Callable[[str, str, QTensor], None]
+
+_FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _is_hp(spec: str) -> bool:
+    """True for a plain high-precision float spec (a cast, no scales)."""
+    return spec in HIGH_PRECISION
+
+
+class Numerics:
+    """Executes the model's numeric ops under a `Recipe`.
+
+    `tap` (optional) receives (canonical tap name, fp32 tensor) for every tap;
+    `observer` (optional) receives (module path, site, QTensor) for every
+    quantization, so evals can collect format statistics without the model
+    knowing about them.
+    """
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.tap: Optional[TapFn] = None
+        self.observer: Optional[QuantObserver] = None
+
+    # ------------------------------------------------------------------ basics
+    def emit(self, name: str, x: torch.Tensor) -> None:
+        """Send a tap to the installed callback (no-op without one)."""
+        if self.tap is not None:
+            self.tap(name, x)
+
+    def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
+        """Quantize `x` with the recipe's spec for (site, module)."""
+        spec = spec or self.recipe.spec(site, module)
+        q = quantize(x, spec)
+        if self.observer is not None:
+            self.observer(module, site, q)
+        return q
+
+    def round(self, x: torch.Tensor, site: str, module: str) -> torch.Tensor:
+        """Store `x` in the site's format and read it back as fp32 (fake quantization)."""
+        spec = self.recipe.spec(site, module)
+        if spec == "fp32":
+            return x.float()
+        if _is_hp(spec) and self.observer is None:
+            return x.to(_FLOAT_DTYPES[spec]).float()
+        return self.quant(x, site, module, spec).dequantize()
+
+    def prepare_weight(self, w: torch.Tensor, site: str, module: str) -> torch.Tensor:
+        """Weight lifecycle, step 'process after loading': quantize once, keep the dequantized values."""
+        return self.round(w.float(), site, module)
+
+    # ------------------------------------------------------------- dispatchers
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
+        """RMSNorm in the `norm` compute precision (fp32 by default): w * x / sqrt(mean(x^2) + eps)."""
+        dtype = _FLOAT_DTYPES[self.recipe.spec("norm", module)]
+        h = x.to(dtype)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + eps)
+        return (weight.to(dtype) * h).float()
+
+    def act_quant(self, x: torch.Tensor, module: str, site: str = "linear.input") -> QTensor:
+        """The fused '-> quant' half of norm+quant and SwiGLU+quant: one QTensor feeds every consumer GEMM."""
+        return self.quant(x, site, module)
+
+    def linear(self, x: torch.Tensor | QTensor, w: torch.Tensor, bias: torch.Tensor | None, module: str,
+               input_site: str = "linear.input") -> torch.Tensor:
+        """y = x @ w.T (+ bias) with the recipe's input format, accumulator model and output rounding.
+
+        `w` is a prepared weight (already in its storage format). `x` may be a QTensor
+        from a fused quant upstream, in which case it is not quantized again.
+        """
+        xq = x if isinstance(x, QTensor) else self.quant(x, input_site, module)
+        xd = xq.dequantize()
+        lead = xd.shape[:-1]
+        a = xd.reshape(-1, xd.shape[-1])  # (tokens, K)
+        acc = self.recipe.accumulate
+        y = F.linear(a, w) if acc == "fp32" else matmul_accum(a, w, acc)  # (tokens, N)
+        if bias is not None:
+            y = y + bias.float()
+        y = y.reshape(*lead, w.shape[0])  # (..., N)
+        return self.round(y, "linear.output", module)
+
+    def kv_store(self, x: torch.Tensor, site: str, module: str) -> torch.Tensor:
+        """Write K or V (batch, kv_heads, tokens, head_dim) to the cache format and read it back.
+
+        `<fmt>:head` uses one scale per KV head (over the tokens written in this call).
+        """
+        spec = self.recipe.spec(site, module)
+        if spec == "fp32":
+            return x.float()
+        if spec.endswith(":head"):
+            b, h, t, d = x.shape
+            rows = x.transpose(0, 1).reshape(h, b * t * d)  # (kv_heads, batch*tokens*head_dim)
+            q = self.quant(rows, site, module, spec[: -len(":head")] + ":token")
+            return q.dequantize().reshape(h, b, t, d).transpose(0, 1)
+        return self.round(x, site, module)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, module: str, sliding_window: int | None = None) -> torch.Tensor:
+        """Causal GQA attention; QK^T and softmax in the `attn.softmax` precision.
+
+        q: (batch, heads, tq, d), k/v: (batch, kv_heads, tk, d) already in their cache
+        formats; q_pos (tq,), k_pos (tk,) absolute positions. Returns (batch, tq, heads*d) fp32.
+        """
+        b, h, tq, d = q.shape
+        hkv = k.shape[1]
+        q = self.round(q, "attn.q", module)
+        if hkv != h:
+            k = k.repeat_interleave(h // hkv, dim=1)  # (batch, heads, tk, d)
+            v = v.repeat_interleave(h // hkv, dim=1)
+        sm = self.recipe.spec("attn.softmax", module)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (batch, heads, tq, tk)
+        mask = k_pos[None, :] > q_pos[:, None]  # (tq, tk) True = masked
+        if sliding_window is not None:
+            mask = mask | (k_pos[None, :] <= q_pos[:, None] - sliding_window)
+        scores = scores.masked_fill(mask, float("-inf"))
+        if sm != "fp32":
+            scores = scores.to(_FLOAT_DTYPES[sm]).float()
+        probs = torch.softmax(scores, dim=-1)
+        if sm != "fp32":
+            probs = probs.to(_FLOAT_DTYPES[sm]).float()
+        out = torch.matmul(probs, v)  # (batch, heads, tq, d)
+        return out.transpose(1, 2).reshape(b, tq, h * d)  # (batch, tq, heads*d)

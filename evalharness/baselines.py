@@ -1,0 +1,66 @@
+"""Baselines: result files promoted to `baselines/<suite>/<run_key>.json`, with provenance.
+
+`update` prints the diff it is about to write (metric by metric) before writing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from evalharness.gate import baseline_path
+from evalharness.provenance import now_iso
+from evalharness.results import iter_results, load_result, write_json_atomic
+
+
+def _diff(old: dict[str, Any] | None, new: dict[str, Any], limit: int = 12) -> list[str]:
+    """Human-readable metric changes between an old baseline and a new result."""
+    if old is None:
+        return [f"  new baseline ({len(new['metrics'])} metrics)"]
+    lines = []
+    om, nm = old["metrics"], new["metrics"]
+    changed = []
+    for k in sorted(set(om) | set(nm)):
+        a, b = om.get(k), nm.get(k)
+        if a == b:
+            continue
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            rel = (b - a) / abs(a) if a else float("inf")
+            changed.append((abs(rel), f"  {k}: {a:.6g} -> {b:.6g} ({rel:+.2%})"))
+        else:
+            changed.append((float("inf"), f"  {k}: {a} -> {b}"))
+    changed.sort(key=lambda x: -x[0])
+    lines += [c for _, c in changed[:limit]]
+    if len(changed) > limit:
+        lines.append(f"  ... and {len(changed) - limit} more changed metric(s)")
+    if not changed:
+        lines.append("  unchanged")
+    return lines
+
+
+def update_baselines(results_dir: str | Path, baselines_dir: str | Path, dry_run: bool = False,
+                     log: Callable[[str], None] = print) -> list[Path]:
+    """Promote every successful result in `results_dir` to a baseline; prints the diff first."""
+    results_dir = Path(results_dir)
+    manifest = results_dir / "suite.json"
+    suite_name = json.loads(manifest.read_text()).get("name") if manifest.exists() else None
+    written = []
+    for path, doc in iter_results(results_dir):
+        if doc["status"] != "ok":
+            log(f"skip {doc['run_key']}: status {doc['status']} (a failed run cannot be a baseline)")
+            continue
+        sname = suite_name or (doc.get("suite") or {}).get("name", "default")
+        target = baseline_path(baselines_dir, sname, doc["run_key"])
+        old = load_result(target) if target.exists() else None
+        log(f"{'would write' if dry_run else 'write'} {target}:")
+        for line in _diff(old, doc):
+            log(line)
+        if dry_run:
+            continue
+        base = dict(doc)
+        base["kind"] = "baseline"
+        base["baseline"] = {"promoted_at": now_iso(), "from": str(path)}
+        write_json_atomic(target, base)
+        written.append(target)
+    return written

@@ -1,0 +1,138 @@
+"""Corpora and token windows for the PPL/KLD and per-layer evals.
+
+A corpus reference is one of:
+
+* ``builtin:NAME``: the token corpus shipped with a built-in model
+  (`evalharness/builtin/NAME/corpus.json`), usable with no data dir;
+* a path to a token-corpus JSON (``{"vocab_size": V, "tokens": [...]}``);
+* a path to a plain-text file (tokenized with the model's tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from evalharness.errors import DataError
+from evalharness.provenance import sha256_tensor
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+
+
+def builtin_path(name: str) -> Path:
+    """Folder of a built-in model (`builtin:NAME`)."""
+    p = BUILTIN_DIR / name
+    if not p.is_dir():
+        avail = sorted(d.name for d in BUILTIN_DIR.iterdir() if d.is_dir()) if BUILTIN_DIR.is_dir() else []
+        raise DataError(f"unknown built-in '{name}'; available: {avail}")
+    return p
+
+
+def _read_token_file(path: Path, vocab_size: int) -> list[int]:
+    """Token ids of a token-corpus JSON, checked against the model's vocabulary."""
+    try:
+        obj = json.loads(path.read_text())
+        tokens = [int(t) for t in obj["tokens"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{path}: not a token corpus ({{'vocab_size', 'tokens'}} JSON): {exc}") from None
+    corpus_vocab = int(obj.get("vocab_size", max(tokens) + 1))
+    if corpus_vocab != vocab_size or (tokens and max(tokens) >= vocab_size):
+        raise DataError(
+            f"{path}: token corpus was made for a vocabulary of {corpus_vocab} ids but the model has {vocab_size}; "
+            "use a text corpus (it is tokenized with the model's tokenizer) or the matching model"
+        )
+    return tokens
+
+
+def load_corpus_tokens(ref: str, tokenizer, vocab_size: int, max_tokens: int) -> list[int]:
+    """Token ids of a corpus, at most `max_tokens` of them (text is tokenized lazily, chunk by chunk)."""
+    if ref.startswith("builtin:"):
+        return _read_token_file(builtin_path(ref.removeprefix("builtin:")) / "corpus.json", vocab_size)[:max_tokens]
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise DataError(f"corpus not found: {path} (check --data-dir and the suite's corpus path)")
+    if path.suffix == ".json":
+        return _read_token_file(path, vocab_size)[:max_tokens]
+    if tokenizer is None:
+        raise DataError(f"{path}: a text corpus needs a tokenizer, and the model has none; set 'tokenizer' in the suite")
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"cannot read corpus {path}: {exc.strerror}") from None
+    tokens: list[int] = []
+    chunk: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        chunk.append(line)
+        size += len(line)
+        if size >= 8192:
+            tokens.extend(tokenizer.encode("".join(chunk), bos=False, eos=False))
+            chunk, size = [], 0
+            if len(tokens) >= max_tokens:
+                break
+    if chunk and len(tokens) < max_tokens:
+        tokens.extend(tokenizer.encode("".join(chunk), bos=False, eos=False))
+    if not tokens:
+        raise DataError(f"corpus {path} produced no tokens")
+    bad = [t for t in tokens[:max_tokens] if not 0 <= t < vocab_size]
+    if bad:
+        raise DataError(f"corpus {path}: tokenizer produced id {bad[0]} outside the model's vocab ({vocab_size})")
+    return tokens[:max_tokens]
+
+
+@dataclasses.dataclass
+class Windows:
+    """Evaluation windows: inputs (n, seq_len) and next-token targets (n, seq_len), -1 where not scored."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        """Number of windows."""
+        return int(self.inputs.shape[0])
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the exact token windows (data provenance; the reference cache keys on it)."""
+        return sha256_tensor(torch.stack([self.inputs, self.targets]))
+
+    def batches(self, batch_size: int):
+        """Yield (start index, inputs, targets) batches of up to `batch_size` windows."""
+        for s in range(0, self.n, batch_size):
+            yield s, self.inputs[s:s + batch_size], self.targets[s:s + batch_size]
+
+
+def make_windows(tokens: list[int], seq_len: int, stride: int | None = None, max_windows: int | None = None,
+                 bos_id: int | None = None) -> Windows:
+    """Slide windows of `seq_len` tokens over the stream.
+
+    With `stride < seq_len` windows overlap and only the last `stride` targets of
+    every window but the first are scored (each token is scored once, with at
+    least `seq_len - stride` tokens of context). With `bos_id`, each window
+    starts with BOS followed by `seq_len - 1` stream tokens.
+    """
+    body = seq_len - (1 if bos_id is not None else 0)
+    stride = stride or body
+    if not 0 < stride <= body:
+        raise ValueError(f"stride must be in 1..{body}, got {stride}")
+    if len(tokens) < body + 1:
+        raise DataError(f"corpus has {len(tokens)} tokens, fewer than one window of {body + 1}; lower seq_len")
+    ins, tgts = [], []
+    start = 0
+    while start + body + 1 <= len(tokens):
+        chunk = tokens[start:start + body + 1]  # body inputs + 1 extra target
+        x = ([bos_id] if bos_id is not None else []) + chunk[:body]
+        y = chunk[:body + 1] if bos_id is not None else chunk[1:body + 1]
+        y = list(y)[-seq_len:]
+        if start > 0 and stride < body:
+            y = [-1] * (seq_len - stride) + y[seq_len - stride:]
+        ins.append(x)
+        tgts.append(y)
+        start += stride
+        if max_windows is not None and len(ins) >= max_windows:
+            break
+    return Windows(torch.tensor(ins, dtype=torch.long), torch.tensor(tgts, dtype=torch.long))

@@ -1,0 +1,33 @@
+"""Harness errors. Each is bad input (CLI exit code 2) with a message that names
+the file / key / tensor and says what to do."""
+
+from engine.errors import EngineError
+
+
+class HarnessError(Exception):
+    """Base class: bad input to the harness (exit code 2)."""
+
+    exit_code = 2
+
+
+class SuiteError(HarnessError):
+    """A suite YAML is malformed or names something that does not exist."""
+
+
+class DataError(HarnessError):
+    """The data dir or a corpus / task file is missing or unreadable."""
+
+
+class ResultError(HarnessError):
+    """A result or baseline file is corrupt or of another schema version."""
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    """Every exception type that means 'bad input' (exit code 2), harness and engine alike."""
+    from engine.llama2c import CheckpointError
+    from engine.tokenizer import TokenizerMismatchError
+
+    return (HarnessError, EngineError, FileNotFoundError, CheckpointError, TokenizerMismatchError)
+
+
+BAD_INPUT = _bad_input_types()

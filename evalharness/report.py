@@ -1,0 +1,117 @@
+"""Views of results and verdicts: console tables, markdown summary, JUnit XML."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from evalharness.gate import Verdict
+
+SUMMARY_METRICS = (
+    ("ppl_ref", "ppl_kld.ppl_ref"),
+    ("ppl_eng", "ppl_kld.ppl_eng"),
+    ("ppl_ratio", "ppl_kld.ppl_ratio"),
+    ("kld_mean", "ppl_kld.kld_mean"),
+    ("kld_p99", "ppl_kld.kld_p99"),
+    ("top1", "ppl_kld.top1_agree"),
+    ("logits_rel_l2", "layer_error.logits.rel_l2"),
+    ("max_tap_rel_l2", "layer_error.max_rel_l2"),
+)
+
+
+def _fmt(x: Any) -> str:
+    """Compact number formatting for tables."""
+    if x is None:
+        return "NaN"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def results_table(docs: Iterable[dict[str, Any]]) -> str:
+    """A fixed-width table of the key metrics of each result."""
+    header = ["run_key", "status"] + [h for h, _ in SUMMARY_METRICS] + ["time_s"]
+    rows = [header]
+    for d in docs:
+        m = d.get("metrics", {})
+        rows.append([d["run_key"], d["status"]] + [_fmt(m.get(k)) if k in m else "-" for _, k in SUMMARY_METRICS]
+                    + [_fmt((d.get("timing") or {}).get("total_s"))])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def verdict_table(verdicts: list[Verdict], show_pass: bool = False) -> str:
+    """Console lines for the gate: every FAIL/WARN (and PASS with show_pass) with evidence."""
+    lines = []
+    for v in verdicts:
+        if v.verdict == "PASS" and not show_pass:
+            continue
+        lines.append(f"{v.verdict:4}  {v.run_key}  {v.metric}: {v.evidence()}")
+    counts = defaultdict(int)
+    for v in verdicts:
+        counts[v.verdict] += 1
+    lines.append(f"gate: {counts['PASS']} PASS, {counts['WARN']} WARN, {counts['FAIL']} FAIL "
+                 f"over {len({v.run_key for v in verdicts})} run(s)")
+    return "\n".join(lines)
+
+
+def write_summary(path: str | Path, verdicts: list[Verdict], missing: list[str], code: int) -> Path:
+    """Markdown summary (for a CI step summary): outcome, failures with evidence, then all verdicts per run."""
+    path = Path(path)
+    status = {0: "PASS", 1: "FAIL (regression)", 2: "ERROR (bad input / missing baseline)"}[code]
+    out = [f"# Numerics gate: {status}", ""]
+    bad = [v for v in verdicts if v.verdict != "PASS"]
+    if missing:
+        out += ["## Missing baselines", ""] + [f"- {m}" for m in missing] + [""]
+    if bad:
+        out += ["## Failures and warnings", "", "| verdict | run | metric | value | baseline | delta | threshold | CI | p |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for v in bad:
+            ci = f"[{_fmt(v.interval[0])}, {_fmt(v.interval[1])}]" if v.interval else ""
+            out.append(f"| {v.verdict} | {v.run_key} | {v.metric} | {_fmt(v.value)} | {_fmt(v.baseline)} | "
+                       f"{_fmt(v.delta)} | {_fmt(v.threshold)} | {ci} | {_fmt(v.p_value) if v.p_value is not None else ''} |")
+        out.append("")
+    by_run = defaultdict(list)
+    for v in verdicts:
+        by_run[v.run_key].append(v)
+    out += ["## Runs", "", "| run | PASS | WARN | FAIL |", "|---|---|---|---|"]
+    for key, vs in by_run.items():
+        c = defaultdict(int)
+        for v in vs:
+            c[v.verdict] += 1
+        out.append(f"| {key} | {c['PASS']} | {c['WARN']} | {c['FAIL']} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def write_junit(path: str | Path, verdicts: list[Verdict], missing: list[str]) -> Path:
+    """JUnit XML: one testsuite per run, one testcase per gated metric; FAIL -> failure, WARN -> system-out."""
+    path = Path(path)
+    root = ET.Element("testsuites", name="evalharness-gate")
+    by_run = defaultdict(list)
+    for v in verdicts:
+        by_run[v.run_key].append(v)
+    for key, vs in by_run.items():
+        fails = sum(v.verdict == "FAIL" for v in vs)
+        ts = ET.SubElement(root, "testsuite", name=key, tests=str(len(vs)), failures=str(fails), errors="0")
+        for v in vs:
+            tc = ET.SubElement(ts, "testcase", classname=key, name=v.metric)
+            if v.verdict == "FAIL":
+                f = ET.SubElement(tc, "failure", message=v.message or "regression", type="NumericsRegression")
+                f.text = v.evidence()
+            elif v.verdict == "WARN":
+                so = ET.SubElement(tc, "system-out")
+                so.text = "WARN: " + v.evidence()
+    if missing:
+        ts = ET.SubElement(root, "testsuite", name="baselines", tests=str(len(missing)), failures="0",
+                           errors=str(len(missing)))
+        for m in missing:
+            tc = ET.SubElement(ts, "testcase", classname="baselines", name=m.split(":")[0])
+            e = ET.SubElement(tc, "error", message="missing baseline", type="MissingBaseline")
+            e.text = m
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return path

@@ -1,0 +1,292 @@
+"""Suite YAML: the run matrix (models x recipes x serving configs) and the evals to run.
+
+Example (see `suites/smoke.yaml`)::
+
+    name: smoke
+    backend: cpu-emulated            # or cuda-emulated
+    seed: 0
+    corpus: builtin:tiny-llama       # default corpus for models without their own
+    models:
+      - name: tiny-llama
+        path: builtin:tiny-llama     # HF dir | HF id | llama2c:FILE | builtin:NAME
+      - name: stories260k
+        path: llama2c:${data_dir}/models/stories260k/stories260K.bin
+        tokenizer: llama2c:${data_dir}/models/stories260k/tok512.bin
+        corpus: ${data_dir}/text/wikitext2/wiki.test.raw
+    recipes: [fp32, bf16, fp8-tensor, fp8-block]   # names or recipe YAML paths
+    serving:
+      - {name: default, batch_size: 4}
+    evals:
+      layer_error: {windows: 2, seq_len: 128}
+      ppl_kld: {seq_len: 128, max_windows: 16}
+    gate:
+      alpha: 0.05
+      rules: [...]                   # see evalharness.gate
+
+`${data_dir}` expands to the data dir (`--data-dir`, else `$EVALHARNESS_DATA_DIR`,
+else the suite's `data_dir`); a model that needs it is skipped, with a message,
+when there is none. Relative paths are resolved against the suite file's folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import RecipeError
+from engine.recipe import Recipe, load_recipe
+from evalharness.errors import DataError, SuiteError
+from evalharness.results import run_key
+
+SUITE_KEYS = ("name", "description", "backend", "seed", "data_dir", "corpus", "models", "recipes", "serving",
+              "evals", "gate")
+MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
+SERVING_KEYS = ("name", "batch_size")
+EVAL_NAMES = ("layer_error", "ppl_kld")
+BACKENDS = ("cpu-emulated", "cuda-emulated")
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One cell of the matrix: everything needed to run it, fully resolved."""
+
+    suite_name: str
+    model: dict[str, Any]
+    recipe: Recipe
+    serving: dict[str, Any]
+    backend: str
+    evals: dict[str, dict[str, Any]]
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """The run key (file name of the result, key of its baseline)."""
+        return run_key(self.model["name"], self.recipe.name, self.serving["name"], self.backend)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `spec` section of a result file."""
+        return {"model": dict(self.model), "recipe": self.recipe.to_dict(), "serving": dict(self.serving),
+                "backend": self.backend, "evals": copy.deepcopy(self.evals), "seed": self.seed}
+
+
+@dataclasses.dataclass
+class Suite:
+    """A parsed suite file plus the data dir it was expanded with."""
+
+    path: Path
+    raw: dict[str, Any]
+    data_dir: Path | None
+    runs: list[RunSpec]
+    skipped: list[str]
+
+    @property
+    def name(self) -> str:
+        """Suite name."""
+        return str(self.raw["name"])
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the suite file's bytes."""
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def manifest(self) -> dict[str, Any]:
+        """What `suite.json` in the results dir records (the gate reads its rules from here)."""
+        return {"schema_version": 1, "kind": "suite", "name": self.name, "path": str(self.path),
+                "sha256": self.sha256, "data_dir": str(self.data_dir) if self.data_dir else None,
+                "gate": self.raw.get("gate", {}), "run_keys": [r.key for r in self.runs], "skipped": self.skipped}
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> SuiteError:
+    """A SuiteError naming the file and line of a YAML syntax error."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    return SuiteError(f"{where}: malformed YAML: {getattr(exc, 'problem', None) or exc}")
+
+
+def _check_keys(obj: Any, allowed: tuple[str, ...], where: str) -> None:
+    """Unknown keys are errors (a typo must not silently change what is measured)."""
+    if not isinstance(obj, dict):
+        raise SuiteError(f"{where}: expected a mapping, got {type(obj).__name__}")
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        raise SuiteError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value: YAML scalar/list syntax (`4`, `true`, `[a, b]`), else the raw string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], sets: list[str], where: str = "--set") -> dict[str, Any]:
+    """Apply `--set KEY=VALUE` overrides. `model=` and `recipe=` replace that whole axis;
+    other keys are dotted paths into the suite (e.g. `evals.ppl_kld.max_windows=4`)."""
+    raw = copy.deepcopy(raw)
+    for item in sets:
+        if "=" not in item:
+            raise SuiteError(f"{where}: '{item}' must look like KEY=VALUE")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if key == "model":
+            name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", Path(value.removeprefix("llama2c:").rstrip("/")).name) or "model"
+            raw["models"] = [{"name": name.removesuffix(".bin"), "path": value}]
+        elif key == "recipe":
+            raw["recipes"] = [v.strip() for v in value.split(",") if v.strip()]
+        elif key in ("tokenizer", "corpus") and len(raw.get("models", [])) == 1:
+            raw["models"][0][key] = value
+        else:
+            node = raw
+            parts = key.split(".")
+            for p in parts[:-1]:
+                if not isinstance(node.get(p), dict):
+                    node[p] = {}
+                node = node[p]
+            node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def resolve_data_dir(cli_value: str | None, suite_value: str | None) -> Path | None:
+    """--data-dir, else $EVALHARNESS_DATA_DIR, else the suite's `data_dir`; must exist when given."""
+    for origin, value in (("--data-dir", cli_value), (f"${DATA_DIR_ENV}", os.environ.get(DATA_DIR_ENV)),
+                          ("suite data_dir", suite_value)):
+        if value:
+            p = Path(value).expanduser()
+            if not p.is_dir():
+                raise DataError(f"data dir not found: {p} (from {origin}); point it at the shared data folder "
+                                "(e.g. ../shared/data) or leave it unset to run only the built-in models")
+            return p.resolve()
+    return None
+
+
+def _expand(value: Any, data_dir: Path | None, base: Path) -> Any:
+    """Expand ${data_dir} and resolve relative paths against the suite folder; None if data dir needed but unset."""
+    if not isinstance(value, str):
+        return value
+    if "${data_dir}" in value:
+        if data_dir is None:
+            return None
+        value = value.replace("${data_dir}", str(data_dir))
+    prefix = ""
+    for pre in ("llama2c:",):
+        if value.startswith(pre):
+            prefix, value = pre, value[len(pre):]
+    if value.startswith("builtin:"):
+        return prefix + value
+    p = Path(value).expanduser()
+    if not p.is_absolute() and not p.exists() and (base / p).exists():
+        value = str((base / p).resolve())
+    return prefix + value
+
+
+def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | None = None,
+               backend: str | None = None) -> Suite:
+    """Parse, validate and expand a suite file into RunSpecs."""
+    path = Path(path)
+    if not path.exists():
+        raise SuiteError(f"suite file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+    if raw is None:
+        raise SuiteError(f"{path}: the suite file is empty")
+    _check_keys(raw, SUITE_KEYS, str(path))
+    raw = apply_overrides(raw, sets or [])
+    _check_keys(raw, SUITE_KEYS, f"{path} (after --set)")
+    if "name" not in raw:
+        raise SuiteError(f"{path}: required key 'name' is missing")
+    ddir = resolve_data_dir(data_dir, raw.get("data_dir"))
+    base = path.parent.resolve()
+    backend = backend or raw.get("backend", "cpu-emulated")
+    if backend not in BACKENDS:
+        raise SuiteError(f"{path}: backend '{backend}' is not one of {BACKENDS}")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int):
+        raise SuiteError(f"{path}: seed must be an integer, got {seed!r}")
+
+    models = raw.get("models")
+    if not isinstance(models, list) or not models:
+        raise SuiteError(f"{path}: 'models' must be a non-empty list of {{name, path, ...}} entries")
+    recipes = raw.get("recipes")
+    if not isinstance(recipes, list) or not recipes:
+        raise SuiteError(f"{path}: 'recipes' must be a non-empty list of recipe names or YAML paths")
+    serving = raw.get("serving") or [{"name": "default", "batch_size": 1}]
+    if not isinstance(serving, list):
+        raise SuiteError(f"{path}: 'serving' must be a list of serving configs")
+    evals = raw.get("evals")
+    if not isinstance(evals, dict) or not evals:
+        raise SuiteError(f"{path}: 'evals' must map eval names {list(EVAL_NAMES)} to their settings")
+    for name, cfg in evals.items():
+        if name not in EVAL_NAMES:
+            raise SuiteError(f"{path}: evals: unknown eval '{name}'; available: {list(EVAL_NAMES)}")
+        if cfg is not None and not isinstance(cfg, dict):
+            raise SuiteError(f"{path}: evals.{name} must be a mapping of settings")
+    from evalharness.evals import validate_eval_config
+
+    for name, cfg in evals.items():
+        try:
+            validate_eval_config(name, cfg or {})
+        except ValueError as exc:
+            raise SuiteError(f"{path}: evals.{name}: {exc}") from None
+
+    resolved_recipes = []
+    for ref in recipes:
+        try:
+            resolved_recipes.append(load_recipe(str(ref), base_dir=base))
+        except RecipeError as exc:
+            raise SuiteError(f"{path}: recipes: {exc}") from None
+    names = [r.name for r in resolved_recipes]
+    if len(set(names)) != len(names):
+        raise SuiteError(f"{path}: two recipes share a name {names}; give each recipe YAML a distinct 'name'")
+
+    servings = []
+    for i, s in enumerate(serving):
+        _check_keys(s, SERVING_KEYS, f"{path}: serving[{i}]")
+        bs = s.get("batch_size", 1)
+        if not isinstance(bs, int) or bs < 1:
+            raise SuiteError(f"{path}: serving[{i}].batch_size must be a positive integer, got {bs!r}")
+        servings.append({"name": str(s.get("name", f"serving{i}")), "batch_size": bs})
+
+    runs, skipped = [], []
+    seen = set()
+    for i, m in enumerate(models):
+        _check_keys(m, MODEL_KEYS, f"{path}: models[{i}]")
+        if "path" not in m:
+            raise SuiteError(f"{path}: models[{i}] needs a 'path' (HF dir, HF id, llama2c:FILE or builtin:NAME)")
+        name = str(m.get("name") or Path(str(m["path"])).name)
+        if name in seen:
+            raise SuiteError(f"{path}: two models are named '{name}'")
+        seen.add(name)
+        entry = {"name": name}
+        needs_data = False
+        for k in ("path", "tokenizer", "corpus"):
+            v = m.get(k, raw.get("corpus") if k == "corpus" else None)
+            if v is None:
+                continue
+            ev = _expand(str(v), ddir, base)
+            if ev is None:
+                needs_data = True
+            entry[k] = ev
+        if needs_data:
+            skipped.append(f"model '{name}' needs the data dir (pass --data-dir or set ${DATA_DIR_ENV})")
+            continue
+        if "corpus" not in entry:
+            raise SuiteError(f"{path}: models[{i}] ('{name}') has no corpus and the suite sets no default 'corpus'")
+        for r in resolved_recipes:
+            for s in servings:
+                runs.append(RunSpec(suite_name=str(raw["name"]), model=entry, recipe=r, serving=s, backend=backend,
+                                    evals={k: dict(v or {}) for k, v in evals.items()}, seed=seed))
+    if not runs:
+        raise SuiteError(f"{path}: nothing to run: {'; '.join(skipped) or 'empty matrix'}")
+    return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped)
