@@ -239,7 +239,12 @@ def _resolve(ref: str, base_dir: Path | None, chain: tuple[str, ...]) -> tuple[d
         )
     merged: dict[str, Any] = {}
     if "extends" in raw:
-        parent, _ = _resolve(str(raw["extends"]), path.parent, chain + (key,))
+        try:
+            parent, _ = _resolve(str(raw["extends"]), path.parent, chain + (key,))
+        except RecipeError as exc:
+            if "cyclic" in str(exc):
+                raise
+            raise RecipeError(f"{path}: extends: {exc}") from None
         merged.update(parent)
         merged.pop("name", None)
         merged.pop("description", None)

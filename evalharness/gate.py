@@ -148,7 +148,8 @@ def _check_metric(run_key: str, metric: str, rule: dict[str, Any], cur: dict, ba
         diffs = [c - b for c, b in zip(cs, bs)]
         ci = stats.mean_ci(diffs)
         v.interval = (ci["lo"], ci["hi"])
-        test = stats.paired_test(cs, bs, method="wilcoxon", alternative="greater" if sign > 0 else "less")
+        # stats.paired_test(x, y) tests y - x: here current - baseline, one-sided towards "worse".
+        test = stats.paired_test(bs, cs, method="wilcoxon", alternative="greater" if sign > 0 else "less")
         v.p_value = test["p_value"]
     if worse > v.threshold:
         if v.p_value is not None and v.p_value >= alpha:

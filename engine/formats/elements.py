@@ -52,7 +52,7 @@ __all__ = [
 ROUNDING_MODES = ("rne", "stochastic")
 
 
-def _check_rounding(rounding: str, generator: Optional[torch.Generator]) -> None:
+def _check_rounding(rounding: str) -> None:
     """Validate the rounding mode argument."""
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
@@ -97,7 +97,7 @@ def round_with_overflow(x: torch.Tensor, fmt: str | ElementFormat, *,
         Inf/NaN).  NaN inputs give NaN values and are not counted as overflow.
     """
     fmt = get_format(fmt)
-    _check_rounding(rounding, generator)
+    _check_rounding(rounding)
     xf = x.to(torch.float32)
     if fmt.is_integer:
         return _round_integer(xf, fmt, rounding, generator)

@@ -168,6 +168,7 @@ class QTensor:
         n = int(c.get("n", 0))
 
         def frac(key: str) -> float:
+            """Count of ``key`` as a fraction of all elements."""
             return float(c.get(key, 0)) / n if n else 0.0
 
         out: dict[str, Any] = {
