@@ -1,5 +1,11 @@
 """Exact float32 bit helpers shared by the format library.
 
+Division by a Python scalar must go through :func:`div_scalar`: on CUDA,
+``tensor / python_float`` (and ``/ cpu_0d_tensor``) is computed as
+``tensor * (1 / b)``, which is not correctly rounded and differs from the
+CPU's true division in the last bit (seen on an H200 with torch 2.11).
+Tensor / same-device-tensor division is IEEE correctly rounded on both.
+
 All helpers are vectorized torch integer/bit operations on the IEEE-754
 binary32 encoding (via ``Tensor.view(torch.int32)``), so they give identical
 results on CPU and CUDA: no ``log2``/``pow``/``exp2`` transcendental calls,
@@ -10,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["f32_bits", "bits_f32", "exp2i", "floor_log2", "pow2_ceil", "abs_and_sign"]
+__all__ = ["f32_bits", "bits_f32", "exp2i", "floor_log2", "pow2_ceil", "abs_and_sign", "div_scalar"]
 
 _EXP_MASK = 0xFF
 _MANT_MASK = (1 << 23) - 1
@@ -83,3 +89,12 @@ def abs_and_sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     b = f32_bits(x)
     return bits_f32(b & 0x7FFFFFFF), b < 0
+
+
+def div_scalar(a: torch.Tensor, b: float) -> torch.Tensor:
+    """Correctly rounded ``a / b`` for a Python scalar ``b`` on every device.
+
+    Builds ``b`` as a same-device tensor so CUDA uses true division instead of
+    multiplying by a rounded reciprocal (see module docstring).
+    """
+    return a / torch.full_like(a, b)

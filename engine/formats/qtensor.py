@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import grouping as G
-from ._bits import exp2i, floor_log2, pow2_ceil
+from ._bits import div_scalar, exp2i, floor_log2, pow2_ceil
 from .elements import (codes_to_torch, decode_codes, round_to_format, round_with_overflow,
                        values_to_codes)
 from .spec import QuantSpec, SpecLike, parse_spec
@@ -54,7 +54,7 @@ def float_scale_from_amax(amax: torch.Tensor, max_normal: float, pow2: bool = Fa
     * NaN/Inf amax give a NaN/Inf scale, which poisons the group's output
       (NaN after dequantization) rather than hiding non-finite inputs.
     """
-    s = amax.to(torch.float32) / max_normal
+    s = div_scalar(amax.to(torch.float32), max_normal)
     if pow2:
         s = pow2_ceil(s)
     return torch.where(amax == 0, torch.ones_like(s), s)
@@ -299,11 +299,11 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
         else:
             # tensor_scale = amax(x) / (448 * 6); an all-zero tensor gets 1.
             amax_t = x2.abs().amax() if x2.numel() else torch.zeros((), device=x.device)
-            ts = amax_t / NVFP4_TENSOR_DENOM
+            ts = div_scalar(amax_t, NVFP4_TENSOR_DENOM)
             ts = torch.where(amax_t == 0, torch.ones_like(ts), ts)
         # block_scale = e4m3_round(amax_block / 6 / tensor_scale)  (RNE, saturating;
         # evaluated left to right in fp32).  Tiny blocks may round to 0.
-        grid = round_to_format((G.group_amax(x2, sp) / 6.0) / ts, "e4m3", saturate=True)
+        grid = round_to_format(div_scalar(G.group_amax(x2, sp), 6.0) / ts, "e4m3", saturate=True)
         # elements = round_e2m1(x / (block_scale * tensor_scale)); a block whose
         # scale is 0 (all-zero block, or E4M3 underflow) encodes as zeros.
         denom = G.expand_grid(grid * ts, sp, m, k)

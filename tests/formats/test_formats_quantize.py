@@ -77,6 +77,17 @@ def test_dynamic_scale_formula_and_zero_group():
     assert torch.equal(decode_codes(q.data, "e4m3").abs().amax(dim=1), torch.tensor([448.0, 0, 448, 448]))
 
 
+def test_scale_division_correctly_rounded():
+    """Scales are the correctly rounded fp32 quotient amax / max (checked via float64:
+    double rounding is innocuous for division since 53 >= 2 * 24 + 2)."""
+    from engine.formats import float_scale_from_amax
+
+    g = torch.Generator().manual_seed(11)
+    amax = torch.rand(200_000, generator=g) * 2.0 ** torch.randint(-60, 60, (200_000,), generator=g)
+    for mx in (448.0, 57344.0, 127.0, 6.0, 2688.0):
+        assert torch.equal(float_scale_from_amax(amax, mx), (amax.double() / mx).float())
+
+
 def test_pow2_scales_round_up():
     """':pow2' scales are 2**ceil(log2(amax/max)); exact powers are kept."""
     x = torch.zeros(3, 128)

@@ -1,7 +1,8 @@
 """Element rounding: RNE ties, subnormals, overflow rules, torch-cast agreement, SR.
 
-torch cast semantics observed (torch 2.x CPU) and asserted here:
-  * float8_e4m3fn: RNE, saturates every overflow (and +-Inf) to +-448.
+torch cast semantics observed (torch 2.13 CPU) and compared here:
+  * float8_e4m3fn: RNE, saturates every overflow (and +-Inf) to +-448
+    (torch 2.11 behaves differently on overflow; the test probes the mode).
   * float8_e5m2:   RNE, overflow to +-Inf (>= 61440 ties up to 2**16).
   * float8_e8m0fnu: sign ignored, RNE (ties up), < 2**-127 -> code 0,
     overflow/Inf/NaN -> 0xFF; but float32 *subnormal* inputs are mis-rounded
@@ -134,29 +135,53 @@ def test_inf_and_nan_inputs():
     assert values_to_codes(e2, "e2m1").tolist() == [7, 15, 0]  # NaN -> code 0
 
 
-@pytest.mark.parametrize("name,dtype_name,saturate", [
-    ("e4m3", "float8_e4m3fn", True),    # torch's E4M3 cast saturates
-    ("e5m2", "float8_e5m2", False),     # torch's E5M2 cast overflows to Inf
-])
-def test_bit_exact_vs_torch_fp8_cast(name, dtype_name, saturate):
-    """Codes equal torch's cast for every non-NaN input on a dense grid (incl. all midpoints)."""
+def _torch_overflow_mode(dt, probe):
+    """How torch's cast treats an overflowing value: 'saturate' (to +-max) or 'nonfinite'."""
+    v = torch.tensor([probe]).to(dt).float()
+    return "nonfinite" if not torch.isfinite(v).all() else "saturate"
+
+
+@pytest.mark.parametrize("name,dtype_name", [("e4m3", "float8_e4m3fn"), ("e5m2", "float8_e5m2")])
+def test_bit_exact_vs_torch_fp8_cast(name, dtype_name):
+    """Codes equal torch's cast for every non-NaN input on a dense grid (incl. all midpoints).
+
+    In range (no overflow) the comparison is strict.  Overflowing finite values and
+    +-Inf are compared against our mode that matches torch's (probed, since it has
+    changed across torch versions: 2.13 CPU saturates E4M3 incl. Inf; 2.11 did not).
+    """
     dt = getattr(torch, dtype_name)
+    f = get_format(name)
     x = _dense_grid(name)
     x = torch.cat([x, torch.tensor([float("inf"), -float("inf")])])
-    mine = encode_codes(x, name, saturate=saturate)
-    ref = x.to(dt).view(torch.uint8)
     nan = torch.isnan(x)
-    assert torch.equal(mine[~nan], ref[~nan])
+    ref = x.to(dt).view(torch.uint8)
+    _, ovf = round_with_overflow(x, name)
+    inf = torch.isinf(x)
+    in_range = ~nan & ~ovf
+    assert in_range.sum() > 100_000
+    for mask, probe in ((in_range, None), (ovf & ~inf, 2.0 * f.max_normal), (inf, float("inf"))):
+        sat = True if probe is None else _torch_overflow_mode(dt, probe) == "saturate"
+        mine, want = encode_codes(x[mask], name, saturate=sat), ref[mask]
+        want_nan = torch.isnan(decode_codes(want, name))  # NaN sign bits may differ
+        assert torch.equal(torch.isnan(decode_codes(mine, name)), want_nan), (name, probe)
+        assert torch.equal(mine[~want_nan], want[~want_nan]), (name, probe, sat)
     # NaN: torch keeps the input's sign bit; we emit the positive canonical NaN.
     assert torch.isnan(decode_codes(ref[nan], name)).all()
-    assert torch.isnan(decode_codes(mine[nan], name)).all()
+    assert torch.isnan(decode_codes(encode_codes(x[nan], name), name)).all()
 
 
-def test_torch_e4m3_cast_saturates_and_e5m2_overflows():
-    """Documents torch's cast semantics the comparisons above rely on."""
-    big = torch.tensor([1000.0, float("inf")])
-    assert big.to(torch.float8_e4m3fn).float().tolist() == [448.0, 448.0]
-    assert torch.isinf((big * 100).to(torch.float8_e5m2).float()).all()
+def test_torch_fp8_cast_overflow_semantics_documented():
+    """Records torch's cast behaviour on overflow (asserts only what is version-stable).
+
+    torch 2.13 CPU: E4M3 saturates finite overflow *and* +-Inf to +-448; E5M2 overflows
+    to +-Inf.  Either way, in-range values round to nearest-even (checked above).
+    """
+    big = torch.tensor([1000.0, -1000.0])
+    e4 = big.to(torch.float8_e4m3fn).float()
+    assert torch.isnan(e4).all() or e4.tolist() == [448.0, -448.0]
+    e5 = (big * 100).to(torch.float8_e5m2).float()
+    assert torch.isinf(e5).all() or e5.tolist() == [57344.0, -57344.0]
+    assert torch.tensor([464.0]).to(torch.float8_e4m3fn).float().item() == 448.0  # tie -> even
 
 
 @pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="no float8_e8m0fnu")
