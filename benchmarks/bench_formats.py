@@ -47,8 +47,13 @@ def fingerprint() -> str:
     except OSError:
         pass
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        load = "load avg %.1f/%.1f/%.1f" % os.getloadavg()
+    except OSError:
+        load = "load avg n/a"
     return (f"cpu: {cpu} ({os.cpu_count()} logical cores, torch threads "
-            f"{torch.get_num_threads()}); torch {torch.__version__}; "
+            f"{torch.get_num_threads()}, {load} at the end; ms/quantize is wall time and "
+            f"inflates on a shared machine); torch {torch.__version__}; "
             f"python {platform.python_version()}; date {now}")
 
 

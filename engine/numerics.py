@@ -57,7 +57,8 @@ class Numerics:
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
         """Quantize `x` with the recipe's spec for (site, module)."""
         spec = spec or self.recipe.spec(site, module)
-        q = quantize(x, spec)
+        static = self.recipe.static_scale(site, module) if self.recipe.scales else None
+        q = quantize(x, spec) if static is None else quantize(x, spec, scale=static)
         if self.observer is not None:
             self.observer(module, site, q)
         return q

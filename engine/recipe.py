@@ -77,7 +77,7 @@ INHERITS: Mapping[str, str] = MappingProxyType({"moe.weight": "linear.weight", "
 COMPUTE_SITES = ("attn.softmax", "norm", "router")
 HIGH_PRECISION = ("fp32", "bf16", "fp16")
 
-RECIPE_KEYS = ("name", "description", "extends", "accumulate", "overrides")
+RECIPE_KEYS = ("name", "description", "extends", "accumulate", "overrides", "scales")
 
 
 def _validate_spec(site: str, spec: str, where: str) -> str:
@@ -131,6 +131,7 @@ class Recipe:
     accumulate: str = "fp32"
     description: str = ""
     overrides: tuple[tuple[str, Mapping[str, str]], ...] = ()
+    scales: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     source: str = "<memory>"
 
     def __post_init__(self) -> None:
@@ -151,6 +152,23 @@ class Recipe:
                 raise RecipeError(f"{where}: overrides['{pattern}']: unknown site(s) {bad}; valid: {list(SITES)}")
             ovs.append((pattern, MappingProxyType({s: _validate_spec(s, v, where) for s, v in mapping.items()})))
         object.__setattr__(self, "overrides", tuple(ovs))
+        scales = {}
+        for site, table in dict(self.scales).items():
+            if site not in SITES:
+                raise RecipeError(f"{where}: scales: unknown site '{site}'; valid sites: {list(SITES)}")
+            if not isinstance(table, Mapping):
+                raise RecipeError(f"{where}: scales.{site} must map module globs to positive floats")
+            checked = {}
+            for pattern, value in table.items():
+                try:
+                    v = float(value)
+                except (TypeError, ValueError):
+                    v = float("nan")
+                if not v > 0 or v == float("inf"):
+                    raise RecipeError(f"{where}: scales.{site}['{pattern}'] must be a positive finite float, got {value!r}")
+                checked[str(pattern)] = v
+            scales[site] = MappingProxyType(checked)
+        object.__setattr__(self, "scales", MappingProxyType(scales))
 
     def spec(self, site: str, module: str | None = None) -> str:
         """The format spec of `site` for the module at path `module` (e.g. 'layers.3.attn.q_proj')."""
@@ -163,12 +181,29 @@ class Recipe:
             return self.spec(INHERITS[site], module)
         return value
 
+    def static_scale(self, site: str, module: str) -> float | None:
+        """The calibrated static scale of (site, module), or None for a dynamic (per-call) scale.
+
+        Static scales come from `engine.calibrate` (one shared scale per stage of
+        consecutive layers) and apply to per-tensor specs; the last matching glob wins.
+        """
+        table = self.scales.get(site)
+        if not table:
+            return None
+        found = None
+        for pattern, value in table.items():
+            if fnmatch.fnmatchcase(module, pattern):
+                found = value
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON/YAML-serialisable form (fully resolved: no `extends`)."""
         out: dict[str, Any] = {"name": self.name, "description": self.description, "accumulate": self.accumulate}
         out.update(dict(self.sites))
         if self.overrides:
             out["overrides"] = {p: dict(m) for p, m in self.overrides}
+        if self.scales:
+            out["scales"] = {site: dict(t) for site, t in self.scales.items()}
         return out
 
     def derive(self, name: str, **sites: str) -> "Recipe":
@@ -184,13 +219,22 @@ class Recipe:
                 raise RecipeError(f"derive({name!r}): unknown site '{key}'")
             new[site] = value
         return Recipe(name=name, sites=new, accumulate=acc, description=self.description,
-                      overrides=self.overrides, source=f"derived from {self.name}")
+                      overrides=self.overrides, scales=self.scales, source=f"derived from {self.name}")
 
     def with_overrides(self, name: str, extra: Mapping[str, Mapping[str, str]]) -> "Recipe":
         """A copy with extra per-module overrides appended (they win over earlier ones)."""
         ovs = tuple(self.overrides) + tuple((p, dict(m)) for p, m in extra.items())
         return Recipe(name=name, sites=dict(self.sites), accumulate=self.accumulate,
-                      description=self.description, overrides=ovs, source=f"derived from {self.name}")
+                      description=self.description, overrides=ovs, scales=self.scales,
+                      source=f"derived from {self.name}")
+
+    def with_scales(self, name: str, scales: Mapping[str, Mapping[str, float]]) -> "Recipe":
+        """A copy with static scales (site -> module glob -> scale) added."""
+        merged = {site: dict(t) for site, t in self.scales.items()}
+        for site, table in scales.items():
+            merged.setdefault(site, {}).update(table)
+        return Recipe(name=name, sites=dict(self.sites), accumulate=self.accumulate, description=self.description,
+                      overrides=self.overrides, scales=merged, source=f"derived from {self.name}")
 
 
 def named_recipes() -> list[str]:
@@ -255,6 +299,10 @@ def _resolve(ref: str, base_dir: Path | None, chain: tuple[str, ...]) -> tuple[d
             if not isinstance(v, dict):
                 raise RecipeError(f"{path}: 'overrides' must map module globs to {{site: format}} mappings")
             merged["overrides"] = dict(merged.get("overrides", {}), **v)
+        elif k == "scales":
+            if not isinstance(v, dict):
+                raise RecipeError(f"{path}: 'scales' must map sites to {{module glob: scale}} mappings")
+            merged["scales"] = dict(merged.get("scales", {}), **v)
         else:
             merged[k] = v
     merged.setdefault("name", path.stem)
@@ -277,5 +325,6 @@ def load_recipe(ref: str | Recipe, base_dir: str | Path | None = None) -> Recipe
         accumulate=str(raw.get("accumulate", "fp32")),
         description=str(raw.get("description", "")),
         overrides=tuple((str(p), dict(m)) for p, m in overrides.items()),
+        scales=raw.get("scales", {}) or {},
         source=source,
     )

@@ -875,7 +875,7 @@ def save_model(out: Path, kind: str, model, tokenizer) -> float:
     out.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                                               pad_token_id=PAD_ID, do_sample=False, max_length=1024)
+                                               pad_token_id=PAD_ID, do_sample=False)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     # Name the generic fast-tokenizer class (known to transformers 4.x and 5.x alike) and write the

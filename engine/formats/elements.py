@@ -8,11 +8,14 @@ CPU and CUDA).  Division by a power of two is exact, so the only rounding is
 the one we ask for.  Tests compare the result bit-exactly against torch's
 casts where the semantics match.
 
-Observed torch 2.x CPU cast semantics (documented in the tests as well):
+Observed torch cast semantics (documented in the tests as well):
 
-* ``x.to(torch.float8_e4m3fn)`` rounds RNE and **saturates** every overflow,
-  including ``+-Inf``, to ``+-448``; NaN stays NaN (sign kept).
-  == our ``saturate=True``.
+* ``x.to(torch.float8_e4m3fn)`` rounds RNE.  On overflow, torch 2.13 (CPU)
+  **saturates** every overflow, including ``+-Inf``, to ``+-448`` (== our
+  ``saturate=True``), while torch 2.11 (CPU and CUDA, seen on an H200) gives
+  NaN for ``|x| > 464`` and for ``+-Inf`` (== our ``saturate=False``).  The
+  library's own behaviour is fixed by the ``saturate`` argument, not by the
+  torch version.  NaN stays NaN (torch keeps the sign bit).
 * ``x.to(torch.float8_e5m2)`` rounds RNE and overflows to ``+-Inf``
   (``|x| >= 61440``, the midpoint above 57344 that ties to the even
   ``2**16``).  == our ``saturate=False``.

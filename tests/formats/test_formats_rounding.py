@@ -2,7 +2,8 @@
 
 torch cast semantics observed (torch 2.13 CPU) and compared here:
   * float8_e4m3fn: RNE, saturates every overflow (and +-Inf) to +-448
-    (torch 2.11 behaves differently on overflow; the test probes the mode).
+    (torch 2.11 on CPU and CUDA instead gives NaN for |x| > 464 and +-Inf;
+    the comparison test probes torch's mode).
   * float8_e5m2:   RNE, overflow to +-Inf (>= 61440 ties up to 2**16).
   * float8_e8m0fnu: sign ignored, RNE (ties up), < 2**-127 -> code 0,
     overflow/Inf/NaN -> 0xFF; but float32 *subnormal* inputs are mis-rounded
@@ -147,7 +148,7 @@ def test_bit_exact_vs_torch_fp8_cast(name, dtype_name):
 
     In range (no overflow) the comparison is strict.  Overflowing finite values and
     +-Inf are compared against our mode that matches torch's (probed, since it has
-    changed across torch versions: 2.13 CPU saturates E4M3 incl. Inf; 2.11 did not).
+    changed across torch versions: 2.13 CPU saturates E4M3 incl. Inf; 2.11 gives NaN).
     """
     dt = getattr(torch, dtype_name)
     f = get_format(name)
