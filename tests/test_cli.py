@@ -116,12 +116,12 @@ def test_interrupted_suite_keeps_finished_results_and_resumes(tmp_path, monkeypa
 
     monkeypatch.setattr(runner, "run_eval", flaky)
     assert main(args) == 130
-    assert load_result(out / "tiny-llama__fp32__default__cpu-emulated.json")["status"] == "ok"
-    assert not (out / "tiny-llama__bf16__default__cpu-emulated.json").exists()
+    assert load_result(out / "zoo-llama__fp32__default__cpu-emulated.json")["status"] == "ok"
+    assert not (out / "zoo-llama__bf16__default__cpu-emulated.json").exists()
     assert not list(out.glob(".*.tmp"))
     monkeypatch.setattr(runner, "run_eval", real)
     assert main(args + ["--resume"]) == 0
-    assert load_result(out / "tiny-llama__bf16__default__cpu-emulated.json")["status"] == "ok"
+    assert load_result(out / "zoo-llama__bf16__default__cpu-emulated.json")["status"] == "ok"
 
 
 # ---------------------------------------------------------------- bad input
