@@ -1,8 +1,10 @@
 """The `evalharness` command line.
 
     evalharness run SUITE.yaml [--out DIR] [--data-dir DIR] [--device auto|cpu|cuda] [--resume] [--set KEY=VALUE]...
+                               [--tracking-uri URI] [--experiment NAME] [--no-tracking]
     evalharness gate RESULTS_DIR [--baselines DIR] [--junit FILE] [--summary FILE] [--allow-missing]
     evalharness baseline update RESULTS_DIR [--baselines DIR] [--dry-run]
+    evalharness log RESULTS_DIR [--tracking-uri URI] [--experiment NAME] [--force]
     evalharness recipes [NAME_OR_PATH]
 
 Exit codes: 0 success / gate pass, 1 regression (gate FAIL) or a run that
@@ -36,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="skip runs whose result file is already finished")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a suite field; model=PATH_OR_HF_ID and recipe=NAME_OR_YAML replace that axis")
+    # -- mlflow tracking (evalharness.tracking): a view of the results, never required for them
+    r.add_argument("--tracking-uri", default=None,
+                   help="mlflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<out>/mlflow.db)")
+    r.add_argument("--experiment", default=None, help="mlflow experiment (default: evalharness-<suite>)")
+    r.add_argument("--no-tracking", action="store_true", help="do not log results to mlflow")
+
+    lg = sub.add_parser("log", help="log a results dir to mlflow (idempotent: already logged files are kept)")
+    lg.add_argument("results", help="results directory written by `run`")
+    lg.add_argument("--tracking-uri", default=None,
+                    help="mlflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<results>/mlflow.db)")
+    lg.add_argument("--experiment", default=None, help="mlflow experiment (default: evalharness-<suite>)")
+    lg.add_argument("--force", action="store_true", help="replace runs already logged from the same files")
+    # -- end mlflow tracking
 
     g = sub.add_parser("gate", help="compare results against baselines; exit 1 on regression")
     g.add_argument("results", help="results directory written by `run`")
@@ -52,6 +67,29 @@ def _parser() -> argparse.ArgumentParser:
     bu.add_argument("results")
     bu.add_argument("--baselines", default=str(DEFAULT_BASELINES))
     bu.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+
+    for name, helptext in (("sensitivity", "rank sites / layers / module kinds by their effect on KLD (one at a time)"),
+                           ("bisect", "smallest set of units whose fallback to a good recipe fixes a failing one")):
+        a = sub.add_parser(name, help=helptext)
+        a.add_argument("suite", help="suite YAML (gives the model, corpus and backend)")
+        a.add_argument("--model", default=None, help="model name in the suite (default: the first)")
+        a.add_argument("--by", default="site", choices=["site", "layer", "module"], help="unit of analysis")
+        a.add_argument("--windows", type=int, default=16, help="evaluation windows")
+        a.add_argument("--seq-len", type=int, default=128)
+        a.add_argument("--out", default="results", help="directory for the analysis JSON (and recipe YAML)")
+        a.add_argument("--data-dir", default=None)
+        a.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+        a.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+        if name == "sensitivity":
+            a.add_argument("--low", default="fp8-block", help="low-precision recipe")
+            a.add_argument("--high", default="fp32", help="high-precision recipe")
+            a.add_argument("--budget", type=int, default=None, help="recommend a recipe with at most N units high")
+        else:
+            a.add_argument("--candidate", required=True, help="the failing recipe (name or YAML)")
+            a.add_argument("--good", required=True, help="the good (baseline) recipe its fallbacks come from")
+            a.add_argument("--threshold", type=float, default=None,
+                           help="KLD to get under (default: KLD(good) * (1 + --rel-tol))")
+            a.add_argument("--rel-tol", type=float, default=0.25)
 
     rc = sub.add_parser("recipes", help="list named recipes, or show one resolved")
     rc.add_argument("recipe", nargs="?", help="a named recipe or a recipe YAML path")
@@ -70,7 +108,19 @@ def _cmd_run(args) -> int:
     suite = suite0 if backend == suite0.runs[0].backend else load_suite(
         args.suite, sets=args.sets, data_dir=args.data_dir, backend=backend)
     print(f"suite '{suite.name}': {len(suite.runs)} run(s) on {backend} -> {args.out}", file=sys.stderr)
-    outcomes = run_suite(suite, args.out, resume=args.resume)
+    on_result, tracker = None, None
+    if not args.no_tracking:  # mlflow is a view: a failure warns once and the run goes on
+        from evalharness.tracking import make_result_logger
+
+        on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
+    try:
+        outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result)
+    except BaseException:
+        if tracker is not None:
+            tracker.close("KILLED")
+        raise
+    if tracker is not None:
+        tracker.close("FINISHED")
     docs = [load_result(o.path) for o in outcomes]
     print(results_table(docs))
     if any(o.bad_input for o in outcomes):
@@ -110,6 +160,83 @@ def _cmd_baseline(args) -> int:
     return 0
 
 
+def _cmd_analysis(args) -> int:
+    """`sensitivity` / `bisect`: write the analysis JSON (and the recommended / fixed recipe as YAML)."""
+    import yaml
+
+    from engine.recipe import load_recipe
+    from evalharness.results import run_key, write_json_atomic
+    from evalharness.sensitivity import analysis_doc, bisect, make_units, prepare_scorer, sensitivity
+
+    scorer, info = prepare_scorer(args.suite, args.sets, args.data_dir, args.model, args.windows, args.seq_len,
+                                  args.device)
+    out = Path(args.out)
+    dev = "cuda" if info["backend"].startswith("cuda") else "cpu"
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    if args.command == "sensitivity":
+        low, high = load_recipe(args.low), load_recipe(args.high)
+        units = make_units(args.by, low, high, scorer.model.cfg.num_layers)
+        print(f"sensitivity of {info['model']['name']}: {low.name} vs {high.name}, {len(units)} {args.by} units",
+              file=sys.stderr)
+        body = sensitivity(scorer, low, high, units, budget=args.budget, log=log)
+        key = run_key(info["model"]["name"], f"sensitivity-{low.name}-vs-{high.name}-by-{args.by}", "default",
+                      info["backend"])
+        path = write_json_atomic(out / f"{key}.json", analysis_doc("sensitivity", key, info, body, dev))
+        print(f"{'unit':30} {'only-low dKLD':>14} {'only-high gain':>15} {'95% CI':>22}")
+        for r in body["ranking"]:
+            g = r["only_high_gain"]
+            print(f"{r['unit']:30} {r['only_low_cost']['mean']:14.4g} {g['mean']:15.4g} "
+                  f"[{g['lo']:9.3g}, {g['hi']:9.3g}]")
+        if "recommended" in body:
+            rec = body["recommended"]
+            rpath = out / f"{key}.recommended.yaml"
+            rpath.write_text(yaml.safe_dump(rec["recipe"], sort_keys=False))
+            print(f"recommended (budget {rec['budget']}): high precision for {rec['units']} -> KLD "
+                  f"{rec['kld']['mean']:.4g} (all-low {body['all_low_kld']['mean']:.4g}); recipe: {rpath}")
+    else:
+        cand, good = load_recipe(args.candidate), load_recipe(args.good)
+        units = make_units(args.by, cand, good, scorer.model.cfg.num_layers)
+        threshold = args.threshold
+        if threshold is None:
+            k_good = sum(scorer.window_kld(good)) / info["windows"]
+            threshold = k_good * (1 + args.rel_tol)
+        print(f"bisect {cand.name} against {good.name} by {args.by}: threshold KLD {threshold:.4g}", file=sys.stderr)
+        body = bisect(scorer, cand, good, units, threshold, log=log)
+        key = run_key(info["model"]["name"], f"bisect-{cand.name}-vs-{good.name}-by-{args.by}", "default",
+                      info["backend"])
+        path = write_json_atomic(out / f"{key}.json", analysis_doc("bisect", key, info, body, dev))
+        for step in body["steps"]:
+            print(f"  fallback {step['units'] or '(none)'} -> KLD {step['kld']['mean']:.4g}")
+        if body.get("found"):
+            c = body["cost"]
+            print(f"fix: {body['units']} brings KLD {body['candidate_kld']['mean']:.4g} -> "
+                  f"{body['fixed_kld']['mean']:.4g} (<= {threshold:.4g}); modeled cost: "
+                  f"{c['delta_weight_bytes']:+.0f} weight bytes, {c['delta_kv_bytes_per_token']:+.0f} KV bytes/token")
+        elif body.get("already_passing"):
+            print("the candidate already passes the threshold: nothing to bisect")
+        else:
+            print(f"no fix found: even {body['units']} leaves KLD above the threshold")
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_log(args) -> int:
+    """`log`: (re-)log every result of a results dir to mlflow; 0 ok, 1 tracking failed, 2 bad input."""
+    from evalharness.tracking import Tracker, TrackingError
+
+    tracker = Tracker(args.results, args.tracking_uri, args.experiment)
+    try:
+        logged = tracker.log_dir(force=args.force)
+    except TrackingError as exc:
+        print(f"error: mlflow logging failed: {exc}", file=sys.stderr)
+        return 1
+    for item in logged:
+        print(f"{item.action:9}  {item.run_key}  run {item.run_id}  (parent {item.parent_id})")
+    print(f"{len(logged)} result(s) in experiment '{tracker.experiment_name}' at {tracker.uri}")
+    print(tracker.ui_hint())
+    return 0
+
+
 def _cmd_recipes(args) -> int:
     """`recipes`: list, or print one resolved recipe as JSON."""
     from engine.recipe import load_recipe, named_recipes
@@ -125,7 +252,9 @@ def _cmd_recipes(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; bad input prints `error: ...` and returns 2."""
     args = _parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "gate": _cmd_gate, "baseline": _cmd_baseline, "recipes": _cmd_recipes}
+    handlers = {"run": _cmd_run, "gate": _cmd_gate, "baseline": _cmd_baseline, "recipes": _cmd_recipes,
+                "sensitivity": _cmd_analysis, "bisect": _cmd_analysis}
+    handlers["log"] = _cmd_log
     try:
         return handlers[args.command](args)
     except BAD_INPUT as exc:
