@@ -1,0 +1,89 @@
+"""Triton quant kernels vs the formats library: bit-exact quantization (GPU only; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of an FP8 tensor."""
+    return t.view(torch.uint8)
+
+
+def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
+    """Random and adversarial inputs (zeros, denormals, exact E4M3 max, NaN, huge, ties)."""
+    g = torch.Generator(device="cuda").manual_seed(rows * 7 + k)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    if kind == "heavy":
+        x = x / torch.rand(rows, k, device="cuda", generator=g).clamp_min(1e-3)
+    elif kind == "zeros":
+        x[:, : k // 2] = 0.0
+        x[0] = 0.0
+    elif kind == "denormal":
+        x = x * 1e-39
+    elif kind == "at_max":
+        x[:, 0] = 448.0  # group amax exactly at the format max: scale 1
+        x[:, 1] = -448.0
+    elif kind == "nan":
+        x[1, 5] = float("nan")
+    elif kind == "ties":
+        # values on E4M3 midpoints after scaling by 1: 1 + 1/16 is halfway between 1 and 1.125
+        x[:, 0] = 448.0
+        x[:, 2:10] = torch.tensor([1.0625, 1.1875, 3.25, 3.75, 0.015625 * 1.5, 240.0, 208.0, 17.0], device="cuda")
+    return x
+
+
+KINDS = ["normal", "heavy", "zeros", "denormal", "at_max", "nan", "ties"]
+SHAPES = [(4, 128), (3, 1000), (5, 7168), (2, 172)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_act_quant_bit_exact(kind, shape):
+    """Plain 1x128 quantization: every FP8 byte and every fp32 scale equals the library's."""
+    from engine.kernels.quant import act_quant, act_quant_reference
+
+    x = _inputs(*shape, kind)
+    for dtype in (torch.float32, torch.bfloat16):
+        xi = x.to(dtype).contiguous()
+        d, s = act_quant(xi)
+        rd, rs = act_quant_reference(xi)
+        assert torch.equal(_bits(d), _bits(rd.to(d.device))), f"data bits differ ({kind}, {shape}, {dtype})"
+        assert torch.equal(s.view(torch.int32), rs.view(torch.int32)), f"scale bits differ ({kind}, {shape}, {dtype})"
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rmsnorm_quant(kind, shape):
+    """Fused RMSNorm+quant: the quantization of the kernel's own normed values is bit-exact;
+    the normed values are within a few ulp of torch's fp32 RMSNorm."""
+    from engine.kernels.quant import act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
+
+    x = _inputs(*shape, kind).to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(shape[1], device="cuda")).contiguous()
+    d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True)
+    rd, rs = act_quant_reference(h)
+    assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+    _, _, href = rmsnorm_quant_reference(x, w, 1e-5)
+    rel = ((h - href).abs() / href.abs().clamp_min(1e-30))[href != 0]
+    assert rel.max().item() < 4e-6, rel.max().item()
+    fd, _, _ = rmsnorm_quant_reference(x, w, 1e-5)
+    same = (_bits(d) == _bits(fd)).float().mean().item()
+    assert same > 0.999, same  # end to end vs torch: only last-ulp norm differences can flip a rounding
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_swiglu_quant(shape):
+    """Fused SwiGLU+quant: bit-exact quantization of its own activation, activation close to torch's."""
+    from engine.kernels.quant import act_quant_reference, swiglu_quant, swiglu_quant_reference
+
+    g = _inputs(*shape, "heavy").clamp(-60, 60).to(torch.bfloat16).contiguous()
+    u = _inputs(*shape, "normal").to(torch.bfloat16).contiguous()
+    d, s, h = swiglu_quant(g, u, return_hp=True)
+    rd, rs = act_quant_reference(h)
+    assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+    _, _, href = swiglu_quant_reference(g, u)
+    assert torch.allclose(h, href, rtol=2e-5, atol=1e-30)  # tl.exp is the fast ex2 path: a few ulp
