@@ -50,6 +50,12 @@ def test_smoke_run_writes_schema_results(smoke_results):
     fp32 = load_result(smoke_results / "tiny-llama__fp32__default__cpu-emulated.json")["metrics"]
     assert fp32["ppl_kld.kld_mean"] < 1e-9 and fp32["layer_error.logits.rel_l2"] < 1e-5
     assert len(doc["samples"]["ppl_kld"]["window_kld"]) == int(m["ppl_kld.n_windows"])
+    by_pos = doc["samples"]["ppl_kld"]["kld_by_position"]
+    assert len(by_pos) == 128 and all(v is not None and v >= 0 for v in by_pos)
+    buckets = [m[f"ppl_kld.pos{lo}_{lo + 32}.kld_mean"] for lo in (0, 32, 64, 96)]
+    assert abs(sum(buckets) / 4 - m["ppl_kld.kld_mean"]) < 0.05 * m["ppl_kld.kld_mean"]  # equal-size buckets
+    worst = doc["samples"]["ppl_kld"]["worst_windows"][0]
+    assert worst["kld_mean"] == max(doc["samples"]["ppl_kld"]["window_kld"]) == m["ppl_kld.kld_worst_window"]
 
 
 def test_gate_passes_against_committed_baselines(smoke_results, tmp_path, capsys):

@@ -18,6 +18,7 @@ from evalharness import stats
 from evalharness.evals import EvalContext
 
 _CACHE_LIMIT_BYTES = 512 * 2**20
+POSITION_BUCKETS = 4  # metrics ppl_kld.pos{lo}_{hi}.* over equal slices of the window
 
 
 def _ref_logprobs(ctx: EvalContext, inputs: torch.Tensor) -> torch.Tensor:
@@ -33,7 +34,7 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     if cache_ok:
         ref_all = ctx.reference_cached(("ppl_kld_ref", win.sha256),
                                        lambda: torch.cat([_ref_logprobs(ctx, x) for _, x, _ in win.batches(ctx.batch_size)]))
-    nll_r, nll_e, kld, agree, dp, cluster = [], [], [], [], [], []
+    nll_r, nll_e, kld, agree, dp, cluster, position = [], [], [], [], [], [], []
     nonfinite = 0
     total = 0
     for start, inputs, targets in win.batches(ctx.batch_size):
@@ -46,6 +47,7 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
         nonfinite += int((mask & ~finite).sum())
         keep = mask & finite
         win_ids = (torch.arange(inputs.shape[0]) + start)[:, None].expand_as(mask)
+        pos_ids = torch.arange(inputs.shape[1])[None, :].expand_as(mask)
         lr_t = lr.gather(-1, tgt[..., None])[..., 0]
         le_t = le.gather(-1, tgt[..., None])[..., 0]
         k = (lr.exp() * (lr - le)).sum(-1)  # (batch, t) KL(ref || eng)
@@ -55,11 +57,12 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
         agree.append((lr.argmax(-1) == le.argmax(-1))[keep].double())
         dp.append((le_t.exp() - lr_t.exp())[keep])
         cluster.append(win_ids[keep])
+        position.append(pos_ids[keep])
 
     metrics: dict[str, float] = {"n_tokens": float(total), "n_windows": float(win.n),
                                  "nonfinite_frac": nonfinite / max(total, 1)}
     nll_r_t, nll_e_t, kld_t = torch.cat(nll_r), torch.cat(nll_e), torch.cat(kld)
-    agree_t, dp_t, cl = torch.cat(agree), torch.cat(dp), torch.cat(cluster)
+    agree_t, dp_t, cl, pos = torch.cat(agree), torch.cat(dp), torch.cat(cluster), torch.cat(position)
     samples: dict[str, list] = {}
     if kld_t.numel() == 0:
         for name in ("ppl_ref", "ppl_eng", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "top1_agree"):
@@ -89,4 +92,24 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     for name, values in (("window_kld", kld_t), ("window_nll_ref", nll_r_t), ("window_nll_eng", nll_e_t),
                          ("window_top1", agree_t)):
         samples[name] = (torch.bincount(cl, weights=values, minlength=n_win) / counts).tolist()
+    # Worst windows (where to look first) and everything by token position.
+    order = sorted(range(n_win), key=lambda i: -samples["window_kld"][i])[:5]
+    samples["worst_windows"] = [{"window": i, "kld_mean": samples["window_kld"][i]} for i in order]
+    metrics["kld_worst_window"] = samples["window_kld"][order[0]]
+    seq = int(win.inputs.shape[1])
+    pcount = torch.bincount(pos, minlength=seq).double()
+    ok = pcount > 0
+    by_pos = torch.bincount(pos, weights=kld_t, minlength=seq) / pcount.clamp_min(1)
+    samples["kld_by_position"] = [float(v) if o else None for v, o in zip(by_pos.tolist(), ok.tolist())]
+    samples["top1_by_position"] = [float(v) if o else None for v, o in zip(
+        (torch.bincount(pos, weights=agree_t, minlength=seq) / pcount.clamp_min(1)).tolist(), ok.tolist())]
+    n_buckets = min(POSITION_BUCKETS, seq)
+    edges = [round(i * seq / n_buckets) for i in range(n_buckets + 1)]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (pos >= lo) & (pos < hi)
+        if int(sel.sum()) == 0:
+            continue
+        metrics[f"pos{lo}_{hi}.kld_mean"] = float(kld_t[sel].mean())
+        metrics[f"pos{lo}_{hi}.top1_agree"] = float(agree_t[sel].mean())
+        metrics[f"pos{lo}_{hi}.nll_delta_mean"] = float((nll_e_t[sel] - nll_r_t[sel]).mean())
     return metrics, samples
