@@ -106,9 +106,22 @@ def _result_doc(spec: RunSpec, suite: Suite, status: str, metrics: dict, samples
     }
 
 
+def _notify(on_result: Callable[[Path, dict], None] | None, path: Path, doc: dict[str, Any], log) -> None:
+    """Hand a just-written result to the `on_result` hook (mlflow logging); a failing hook only warns:
+    the result is already on disk and the suite goes on."""
+    if on_result is None:
+        return
+    try:
+        on_result(path, doc)
+    except Exception as exc:  # tracking is a view: it must never lose or block a result
+        log(f"warning: logging {path.name} failed ({type(exc).__name__}: {exc}); the result is on disk")
+
+
 def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
-              log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[RunOutcome]:
-    """Run every RunSpec of `suite` into `out_dir`; never loses a finished result."""
+              log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+              on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
+    """Run every RunSpec of `suite` into `out_dir`; never loses a finished result.
+    `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "suite.json", suite.manifest())
@@ -129,12 +142,13 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
             else:
                 pending.append(spec)
         if pending:
-            outcomes.extend(_run_model_group(suite, pending, out, log, done, total))
+            outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result))
             done += len(pending)
     return outcomes
 
 
-def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: int, total: int) -> list[RunOutcome]:
+def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: int, total: int,
+                     on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
     """Load one model (and its reference) once, then run each of its RunSpecs."""
     model = runs[0].model
     device = "cuda" if runs[0].backend.startswith("cuda") else "cpu"
@@ -151,8 +165,10 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         log(f"error: {msg}")
         for spec in runs:
             path = out / f"{spec.key}.json"
-            write_json_atomic(path, _result_doc(spec, suite, "error", {}, {}, {}, {"type": type(exc).__name__,
-                              "message": msg}, None, {}, device, {}))
+            doc = _result_doc(spec, suite, "error", {}, {}, {}, {"type": type(exc).__name__, "message": msg},
+                              None, {}, device, {})
+            write_json_atomic(path, doc)
+            _notify(on_result, path, doc, log)
             outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=True))
         return outcomes
     log(f"loaded model '{model['name']}' ({loaded.cfg.num_layers} layers, vocab {loaded.cfg.vocab_size}) "
@@ -172,7 +188,9 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             engine = Engine(base_model, spec.recipe, backend=spec.backend)
             ctx = EvalContext(engine=engine, reference=reference, tokenizer=tokenizer, corpus=model["corpus"],
                               vocab_size=loaded.cfg.vocab_size, batch_size=spec.serving["batch_size"],
-                              seed=spec.seed, cache=cache, counters=counters, bos_id=bos_id)
+                              seed=spec.seed, cache=cache, counters=counters, bos_id=bos_id,
+                              ref_cache_dir=str(out / "ref_cache"), model_sha=loaded.sha256,
+                              data_dir=str(suite.data_dir) if suite.data_dir else None)  # for the tasks eval
             for name, cfg in spec.evals.items():
                 te = time.time()
                 torch.manual_seed(spec.seed)
@@ -197,6 +215,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             log(f"[{n}/{total}] {spec.key}: ok in {timing['total_s']:.1f}s")
         else:
             log(f"[{n}/{total}] {spec.key}: ERROR {error['type']}: {error['message']}")
+        _notify(on_result, path, doc, log)
         outcomes.append(RunOutcome(spec.key, status, path, metrics, error["message"] if error else None,
                                    bad_input=bool(error and error.get("bad_input"))))
     return outcomes

@@ -2,6 +2,8 @@
 
 * ``layer_error``: per-tap error statistics, engine vs reference (streaming).
 * ``ppl_kld``: perplexity of both models with intervals, PPL ratio, token KLD, top-1 agreement.
+* ``tasks``: lm-eval tasks (offline configs in ``suites/tasks``), per-sample paired statistics.
+* ``longctx``: long greedy generations (degeneration, first divergence), passkey retrieval, KLD by position.
 
 Metric names are ``<eval>.<metric>`` or ``<eval>.<tap>.<stat>``.
 """
@@ -19,8 +21,20 @@ from evalharness.data import Windows, load_corpus_tokens, make_windows
 EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None)},
     "ppl_kld": {"seq_len": (int, 128), "stride": (int, None), "max_windows": (int, 16), "max_tokens": (int, 200_000),
-                "bos": (bool, True)},
+                "bos": (bool, True), "ref_topk": (int, None)},
+    # --- tasks / longctx (evalharness/evals/tasks.py, longctx.py) ---
+    "tasks": {"tasks": (list, None), "limit": ((int, dict), None), "num_fewshot": ((int, dict), None),
+              "batch_size": (int, None), "include_paths": (list, None), "max_gen_toks": (int, None),
+              "data_dir": (str, None)},
+    "longctx": {"parts": (list, None), "new_tokens": (int, 1024), "prompt_lens": (list, None),
+                "prompts_per_len": (int, 2), "entropy_window": (int, 64), "loop_min_len": (int, 16),
+                "tie_margin": ((int, float), 0.5), "passkey_lens": (list, None),
+                "passkey_depths": (list, [0.0, 0.25, 0.5, 0.75, 1.0]), "passkey_trials": (int, 4),
+                "kld_docs": (int, 4), "kld_seq_len": (int, None), "kld_buckets": (int, 8),
+                "max_tokens": (int, 200_000), "bos": (bool, True)},
 }
+# Integer settings for which 0 is meaningful (all other integer settings must be positive).
+ZERO_ALLOWED = frozenset({"num_fewshot"})
 
 
 def validate_eval_config(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +48,8 @@ def validate_eval_config(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         value = cfg.get(key, default)
         if value is not None and not isinstance(value, typ) or isinstance(value, bool) and typ is int:
             raise ValueError(f"'{key}' must be {typ.__name__ if isinstance(typ, type) else typ}, got {value!r}")
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        zero_ok = value == 0 and key in ZERO_ALLOWED
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0 and not zero_ok:
             raise ValueError(f"'{key}' must be positive, got {value}")
         out[key] = value
     return out
@@ -55,6 +70,9 @@ class EvalContext:
     bos_id: int | None = None  # BOS inserted at the start of every window (tokenizer's, else the config's)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     data_hashes: dict[str, str] = dataclasses.field(default_factory=dict)
+    data_dir: str | None = None  # the suite's data dir (--data-dir), for evals that read task files
+    ref_cache_dir: str | None = None  # on-disk reference cache (top-k log-probs), shared across invocations
+    model_sha: str | None = None  # checkpoint hash: part of every reference-cache key
 
     def windows(self, seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int,
                 bos: bool) -> Windows:
@@ -88,6 +106,14 @@ def run_eval(name: str, ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str
         from evalharness.evals.ppl_kld import run_ppl_kld
 
         return run_ppl_kld(ctx, settings)
+    if name == "tasks":
+        from evalharness.evals.tasks import run_tasks
+
+        return run_tasks(ctx, settings)
+    if name == "longctx":
+        from evalharness.evals.longctx import run_longctx
+
+        return run_longctx(ctx, settings)
     raise ValueError(f"unknown eval '{name}'")
 
 

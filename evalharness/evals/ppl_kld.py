@@ -1,15 +1,28 @@
 """Perplexity and token-level KL divergence, engine vs FP32 reference, with intervals.
 
-Per scored token: NLL under both models, KL(reference || engine) over the full
-vocabulary, top-1 agreement, and delta-p of the target token. Tokens of one
-window are correlated, so intervals treat windows as clusters. The
-reference's log-probabilities are cached per (model, windows hash) for the
-whole invocation, so a matrix of N recipes runs the reference once.
+Per scored token: NLL under both models, KL(reference || engine), top-1
+agreement, and delta-p of the target token. Tokens of one window are
+correlated, so intervals treat windows as clusters.
+
+The reference runs once per (model, windows) however many recipes are scored:
+
+* full mode (small vocab x tokens): the full reference log-softmax is kept in
+  memory for the invocation; KLD is exact;
+* top-k mode (`ref_topk: K`, or automatically when the full tensor would not
+  fit): per token the reference's top-K log-probs and ids, the tail mass and
+  the target's log-prob are cached on disk (`<out>/ref_cache/<key>.safetensors`,
+  key = sha256 of model checkpoint, window tokens, K), so memory does not grow
+  with the vocabulary and later invocations (nightly, --resume) reuse it. KLD
+  is then computed over the top-K ids plus one tail bucket: the KL divergence
+  of the coarsened distributions, a lower bound of the full KLD that is tight
+  when the reference's tail mass is small (reported as `ref_tail_mass_mean`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +32,7 @@ from evalharness.evals import EvalContext
 
 _CACHE_LIMIT_BYTES = 512 * 2**20
 POSITION_BUCKETS = 4  # metrics ppl_kld.pos{lo}_{hi}.* over equal slices of the window
+DEFAULT_TOPK = 64  # top-k reference cache size when the full log-probs would not fit in memory
 
 
 def _ref_logprobs(ctx: EvalContext, inputs: torch.Tensor) -> torch.Tensor:
@@ -26,41 +40,100 @@ def _ref_logprobs(ctx: EvalContext, inputs: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(ctx.reference.logits(inputs).double().cpu(), dim=-1)
 
 
+def _topk_record(lr: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Top-k summary of reference log-probs lr (batch, t, vocab): ids, log-probs, log tail mass, target log-prob."""
+    vals, idx = lr.topk(k, dim=-1)  # (batch, t, k)
+    tail = (1.0 - vals.exp().sum(-1)).clamp_min(1e-300)  # (batch, t)
+    tgt = lr.gather(-1, targets.clamp_min(0)[..., None])[..., 0]  # (batch, t)
+    return {"idx": idx, "lp": vals, "log_tail": tail.log(), "tgt": tgt}
+
+
+def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
+    """Top-k reference records for all windows: from the on-disk cache when present, else computed once and saved."""
+    from safetensors.torch import load_file, save_file
+
+    key_src = f"{ctx.model_sha}|{win.sha256}|topk{k}|{getattr(ctx.reference, 'precision', 'fp32')}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    path = Path(ctx.ref_cache_dir) / f"ppl_kld-{key}.safetensors" if ctx.ref_cache_dir and ctx.model_sha else None
+
+    def compute() -> dict[str, torch.Tensor]:
+        if path is not None and path.exists():
+            try:
+                ctx.counters["reference_disk_hits"] = ctx.counters.get("reference_disk_hits", 0) + 1
+                return load_file(str(path))
+            except Exception:  # a corrupt cache file is recomputed, never trusted
+                path.unlink(missing_ok=True)
+        ctx.counters["reference_passes_topk"] = ctx.counters.get("reference_passes_topk", 0) + 1
+        parts = [_topk_record(_ref_logprobs(ctx, x), y, k) for _, x, y in win.batches(ctx.batch_size)]
+        rec = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file(rec, str(tmp), metadata={"key": key_src})
+            tmp.replace(path)
+        return rec
+
+    return ctx.reference_cached(("ppl_kld_ref_topk", win.sha256, k), compute)
+
+
+def _token_stats(ref, le: torch.Tensor, targets: torch.Tensor):
+    """Per-token (ref target log-prob, engine target log-prob, KLD, top-1 agreement) for full or top-k references."""
+    tgt = targets.clamp_min(0)
+    le_t = le.gather(-1, tgt[..., None])[..., 0]
+    if isinstance(ref, torch.Tensor):  # full reference log-probs (batch, t, vocab)
+        lr_t = ref.gather(-1, tgt[..., None])[..., 0]
+        k = (ref.exp() * (ref - le)).sum(-1)  # (batch, t) KL(ref || eng)
+        agree = ref.argmax(-1) == le.argmax(-1)
+        return lr_t, le_t, k, agree
+    idx, lp = ref["idx"], ref["lp"]  # (batch, t, k)
+    le_k = le.gather(-1, idx)  # engine log-probs at the reference's top-k ids
+    q_tail = (1.0 - le_k.exp().sum(-1)).clamp_min(1e-300)
+    k = (lp.exp() * (lp - le_k)).sum(-1) + ref["log_tail"].exp() * (ref["log_tail"] - q_tail.log())
+    agree = idx[..., 0] == le.argmax(-1)
+    return ref["tgt"], le_t, k, agree
+
+
 def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
     """PPL of reference and engine (with CIs), PPL ratio (paired CI), KLD mean/p99/p99.9/max, top-1, delta-p."""
     win = ctx.windows(cfg["seq_len"], cfg["stride"], cfg["max_windows"], cfg["max_tokens"], cfg["bos"])
-    cache_ok = win.n * win.inputs.shape[1] * ctx.vocab_size * 8 <= _CACHE_LIMIT_BYTES
-    ref_all = None
-    if cache_ok:
+    topk = cfg.get("ref_topk")
+    if topk is None and win.n * win.inputs.shape[1] * ctx.vocab_size * 8 > _CACHE_LIMIT_BYTES:
+        topk = DEFAULT_TOPK
+    ref_all = ref_topk = None
+    if topk:
+        ref_topk = _ref_topk_cached(ctx, win, min(topk, ctx.vocab_size))
+    else:
         ref_all = ctx.reference_cached(("ppl_kld_ref", win.sha256),
                                        lambda: torch.cat([_ref_logprobs(ctx, x) for _, x, _ in win.batches(ctx.batch_size)]))
-    nll_r, nll_e, kld, agree, dp, cluster, position = [], [], [], [], [], [], []
+    nll_r, nll_e, kld, agree, dp, cluster, position, tails = [], [], [], [], [], [], [], []
     nonfinite = 0
     total = 0
     for start, inputs, targets in win.batches(ctx.batch_size):
-        lr = ref_all[start:start + inputs.shape[0]] if ref_all is not None else _ref_logprobs(ctx, inputs)
+        b = inputs.shape[0]
+        ref = ref_all[start:start + b] if ref_all is not None else {n: t[start:start + b] for n, t in ref_topk.items()}
         le = torch.log_softmax(ctx.engine.logits(inputs).double().cpu(), dim=-1)  # (batch, t, vocab)
         mask = targets >= 0  # (batch, t) scored positions
-        tgt = targets.clamp_min(0)
         finite = torch.isfinite(le).all(-1)  # (batch, t)
         total += int(mask.sum())
         nonfinite += int((mask & ~finite).sum())
         keep = mask & finite
         win_ids = (torch.arange(inputs.shape[0]) + start)[:, None].expand_as(mask)
         pos_ids = torch.arange(inputs.shape[1])[None, :].expand_as(mask)
-        lr_t = lr.gather(-1, tgt[..., None])[..., 0]
-        le_t = le.gather(-1, tgt[..., None])[..., 0]
-        k = (lr.exp() * (lr - le)).sum(-1)  # (batch, t) KL(ref || eng)
+        lr_t, le_t, k, agree_b = _token_stats(ref, le, targets)
+        if ref_topk is not None:
+            tails.append(ref["log_tail"].exp()[keep])
         nll_r.append(-lr_t[keep])
         nll_e.append(-le_t[keep])
         kld.append(k[keep].clamp_min(0.0))
-        agree.append((lr.argmax(-1) == le.argmax(-1))[keep].double())
+        agree.append(agree_b[keep].double())
         dp.append((le_t.exp() - lr_t.exp())[keep])
         cluster.append(win_ids[keep])
         position.append(pos_ids[keep])
 
     metrics: dict[str, float] = {"n_tokens": float(total), "n_windows": float(win.n),
-                                 "nonfinite_frac": nonfinite / max(total, 1)}
+                                 "nonfinite_frac": nonfinite / max(total, 1), "ref_topk": float(topk or 0)}
+    if tails:
+        metrics["ref_tail_mass_mean"] = float(torch.cat(tails).mean())
     nll_r_t, nll_e_t, kld_t = torch.cat(nll_r), torch.cat(nll_e), torch.cat(kld)
     agree_t, dp_t, cl, pos = torch.cat(agree), torch.cat(dp), torch.cat(cluster), torch.cat(position)
     samples: dict[str, list] = {}
