@@ -49,11 +49,22 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,
-               observer: Optional[QuantObserver] = None) -> torch.Tensor:
-        """Full-sequence logits (batch, t, vocab) in fp32; `tap(name, tensor)` sees every canonical tap."""
+               observer: Optional[QuantObserver] = None, prefill_chunk: int | None = None) -> torch.Tensor:
+        """Full-sequence logits (batch, t, vocab) in fp32; `tap(name, tensor)` sees every canonical tap.
+
+        With `prefill_chunk`, the sequence is prefilled in chunks of that many tokens through the
+        KV cache (chunked prefill, as a serving engine does): each chunk attends to the cached,
+        already-quantized keys/values of the earlier chunks.
+        """
         self.nx.tap, self.nx.observer = tap, observer
+        tokens = tokens.to(self.device)
         try:
-            return self.model.forward(self.nx, self.weights, tokens.to(self.device))
+            if prefill_chunk is None or prefill_chunk >= tokens.shape[1]:
+                return self.model.forward(self.nx, self.weights, tokens)
+            cache = KVCache.empty(self.cfg, tokens.shape[0], tokens.shape[1], self.device)
+            parts = [self.model.forward(self.nx, self.weights, tokens[:, s:s + prefill_chunk], cache)
+                     for s in range(0, tokens.shape[1], prefill_chunk)]
+            return torch.cat(parts, dim=1)  # (batch, t, vocab)
         finally:
             self.nx.tap, self.nx.observer = None, None
 

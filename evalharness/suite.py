@@ -49,7 +49,7 @@ SUITE_KEYS = ("name", "description", "backend", "seed", "data_dir", "corpus", "m
               "evals", "gate")
 MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
 SERVING_KEYS = ("name", "batch_size")
-EVAL_NAMES = ("layer_error", "ppl_kld")
+EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance")
 BACKENDS = ("cpu-emulated", "cuda-emulated")
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"

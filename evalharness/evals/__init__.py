@@ -2,6 +2,7 @@
 
 * ``layer_error``: per-tap error statistics, engine vs reference (streaming).
 * ``ppl_kld``: perplexity of both models with intervals, PPL ratio, token KLD, top-1 agreement.
+* ``invariance``: the same requests under other serving configs (batch size, chunked prefill), determinism.
 * ``tasks``: lm-eval tasks (offline configs in ``suites/tasks``), per-sample paired statistics.
 * ``longctx``: long greedy generations (degeneration, first divergence), passkey retrieval, KLD by position.
 
@@ -22,6 +23,8 @@ EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None)},
     "ppl_kld": {"seq_len": (int, 128), "stride": (int, None), "max_windows": (int, 16), "max_tokens": (int, 200_000),
                 "bos": (bool, True), "ref_topk": (int, None)},
+    "invariance": {"variants": (list, None), "windows": (int, 4), "seq_len": (int, 64), "reruns": (int, 2),
+                   "prompt_len": (int, 16), "greedy_tokens": (int, 8)},
     # --- tasks / longctx (evalharness/evals/tasks.py, longctx.py) ---
     "tasks": {"tasks": (list, None), "limit": ((int, dict), None), "num_fewshot": ((int, dict), None),
               "batch_size": (int, None), "include_paths": (list, None), "max_gen_toks": (int, None),
@@ -106,6 +109,10 @@ def run_eval(name: str, ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str
         from evalharness.evals.ppl_kld import run_ppl_kld
 
         return run_ppl_kld(ctx, settings)
+    if name == "invariance":
+        from evalharness.evals.invariance import run_invariance
+
+        return run_invariance(ctx, settings)
     if name == "tasks":
         from evalharness.evals.tasks import run_tasks
 
