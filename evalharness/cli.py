@@ -110,9 +110,12 @@ def _cmd_run(args) -> int:
     print(f"suite '{suite.name}': {len(suite.runs)} run(s) on {backend} -> {args.out}", file=sys.stderr)
     on_result, tracker = None, None
     if not args.no_tracking:  # mlflow is a view: a failure warns once and the run goes on
-        from evalharness.tracking import make_result_logger
-
-        on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
+        try:
+            from evalharness.tracking import make_result_logger
+        except ImportError as exc:
+            print(f"warning: mlflow tracking unavailable ({exc}); results are on disk only", file=sys.stderr)
+        else:
+            on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
     try:
         outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result)
     except BaseException:
