@@ -249,7 +249,8 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
             saturate and are counted in ``stats()['saturation_frac']``.
             NVFP4: the static fp32 per-tensor scale (block scales stay
             dynamic).  Not accepted for MX (scales are defined by the block)
-            or passthrough.  Used as given (``:pow2`` does not re-round it).
+            or passthrough.  Used as given (``:pow2`` does not re-round it,
+            ``:shiftN`` does not shift it).
         rounding: ``"rne"`` or ``"stochastic"`` (element rounding only;
             scales are always computed deterministically).
         generator: torch.Generator for stochastic rounding.
@@ -280,6 +281,9 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
         else:
             # Dynamic scale per group: scale = amax / max_normal (1 if amax == 0).
             grid = float_scale_from_amax(G.group_amax(x2, sp), fmt.max_normal, sp.pow2)
+            if sp.scale_shift:
+                # `:shiftN`: every computed scale times 2**N (exact: a power-of-two product).
+                grid = grid * (2.0 ** sp.scale_shift)
         y = x2 / G.expand_grid(grid, sp, m, k)
         vals, overflow = round_with_overflow(y, fmt, rounding=rounding, generator=generator,
                                              saturate=saturate)

@@ -12,6 +12,13 @@ Vocabulary (case-insensitive, whitespace ignored; ``str(spec)`` is canonical):
                        blocks along the last dim (``e4m3:1x128``), ``128x128``
                        2-D weight tiles (DeepSeek-V3)
 ``...:pow2``           suffix: scales rounded *up* to a power of two
+``...:shiftN``         suffix (signed integer N, e.g. ``:shift-1``): every
+                       dynamically computed scale is multiplied by ``2**N``
+                       (after ``:pow2`` rounding).  ``shift-1`` makes scales
+                       one exponent too small, so the top half of each
+                       group's range saturates at the element max: a
+                       deliberate, bit-exact fault for the gate's selftest.
+                       Static (calibrated) scales are used as given.
 ``mxfp8``              OCP MX: E4M3 elements, 32-blocks, E8M0 scale
 ``mxfp8_e5m2``         OCP MX: E5M2 elements, 32-blocks, E8M0 scale
 ``mxfp4``              OCP MX: E2M1 elements, 32-blocks, E8M0 scale
@@ -19,7 +26,9 @@ Vocabulary (case-insensitive, whitespace ignored; ``str(spec)`` is canonical):
                        per-tensor scale
 =====================  =====================================================
 
-``ELEM`` is one of ``e4m3``, ``e5m2``, ``e2m1``, ``int8``.
+``ELEM`` is one of ``e4m3``, ``e5m2``, ``e2m1``, ``int8``.  Full grammar of
+the scaled forms: ``ELEM:GRANULARITY[:pow2][:shiftN]`` (suffixes in that
+canonical order; either order is accepted on input; ``shift0`` is dropped).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ VALID_FORMS = (
     "ELEM:tensor | ELEM:channel | ELEM:token | ELEM:RxC (e.g. e4m3:1x128, e4m3:128x128)"
     " with ELEM in {e4m3, e5m2, e2m1, int8}",
     "optional ':pow2' suffix on the ELEM forms (power-of-two scales)",
+    "optional ':shiftN' suffix on the ELEM forms (scales times 2**N, e.g. ':shift-1')",
     "mxfp8 | mxfp8_e5m2 | mxfp4 | nvfp4",
 )
 
@@ -45,6 +55,9 @@ _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "f
 _SCALED_ELEMS = ("e4m3", "e5m2", "e2m1", "int8")
 _MX = {"mxfp8": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4": "e2m1"}
 _TILE_RE = re.compile(r"^(\d+)x(\d+)$")
+_SHIFT_RE = re.compile(r"^shift([+-]?\d+)$")
+#: Largest |N| of ``:shiftN`` (the fp32 scale exponent range).
+MAX_SCALE_SHIFT = 64
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class QuantSpec:
         scale_fmt: ``"fp32"``, ``"e8m0"`` (MX) or ``"e4m3"`` (NVFP4 block
             scale); None for passthrough.
         pow2: scales rounded up to powers of two (``:pow2`` suffix).
+        scale_shift: ``N`` of a ``:shiftN`` suffix: dynamic scales are
+            multiplied by ``2**N`` (0: no shift).
         name: the named-format string for ``mx``/``nvfp4`` specs.
     """
 
@@ -73,6 +88,7 @@ class QuantSpec:
     scale_fmt: Optional[str] = None
     pow2: bool = False
     name: Optional[str] = None
+    scale_shift: int = 0
 
     @property
     def is_passthrough(self) -> bool:
@@ -96,7 +112,9 @@ class QuantSpec:
         if self.kind in ("mx", "nvfp4"):
             return str(self.name)
         g = f"{self.tile[0]}x{self.tile[1]}" if self.granularity == "tile" else self.granularity
-        return f"{self.elem}:{g}" + (":pow2" if self.pow2 else "")
+        shift = f":shift{self.scale_shift:+d}" if self.scale_shift > 0 else (
+            f":shift{self.scale_shift}" if self.scale_shift else "")
+        return f"{self.elem}:{g}" + (":pow2" if self.pow2 else "") + shift
 
 
 SpecLike = Union[str, QuantSpec]
@@ -130,18 +148,29 @@ def parse_spec(s: SpecLike) -> QuantSpec:
         return QuantSpec(kind="nvfp4", elem="e2m1", granularity="nvfp4", tile=(1, 16),
                          scale_fmt="e4m3", name=t)
     parts = t.split(":")
-    if len(parts) not in (2, 3):
-        raise _err(raw, "expected ELEM:GRANULARITY[:pow2] or a named format")
+    if len(parts) not in (2, 3, 4):
+        raise _err(raw, "expected ELEM:GRANULARITY[:pow2][:shiftN] or a named format")
     elem, gran = parts[0], parts[1]
-    pow2 = False
-    if len(parts) == 3:
-        if parts[2] != "pow2":
-            raise _err(raw, f"unknown suffix {parts[2]!r} (only 'pow2')")
-        pow2 = True
+    pow2, shift, seen = False, 0, set()
+    for suffix in parts[2:]:
+        m_shift = _SHIFT_RE.match(suffix)
+        kind = "pow2" if suffix == "pow2" else "shift" if m_shift else None
+        if kind is None:
+            raise _err(raw, f"unknown suffix {suffix!r} (only 'pow2' and 'shiftN', e.g. 'shift-1')")
+        if kind in seen:
+            raise _err(raw, f"suffix '{kind}' given twice")
+        seen.add(kind)
+        if kind == "pow2":
+            pow2 = True
+        else:
+            shift = int(m_shift.group(1))
+            if abs(shift) > MAX_SCALE_SHIFT:
+                raise _err(raw, f"shift {shift} out of range (|N| <= {MAX_SCALE_SHIFT})")
     if elem not in _SCALED_ELEMS:
         raise _err(raw, f"unknown element format {elem!r}")
     if gran in ("tensor", "channel", "token"):
-        return QuantSpec(kind="scaled", elem=elem, granularity=gran, scale_fmt="fp32", pow2=pow2)
+        return QuantSpec(kind="scaled", elem=elem, granularity=gran, scale_fmt="fp32", pow2=pow2,
+                         scale_shift=shift)
     m = _TILE_RE.match(gran)
     if not m:
         raise _err(raw, f"unknown granularity {gran!r}")
@@ -149,4 +178,4 @@ def parse_spec(s: SpecLike) -> QuantSpec:
     if r <= 0 or c <= 0:
         raise _err(raw, "tile sizes must be positive")
     return QuantSpec(kind="scaled", elem=elem, granularity="tile", tile=(r, c),
-                     scale_fmt="fp32", pow2=pow2)
+                     scale_fmt="fp32", pow2=pow2, scale_shift=shift)
