@@ -6,22 +6,24 @@ The recipe decides, this module executes (emulated, bit-exact through
 hands its FP8 output straight to the next GEMM without a round trip through
 high precision -- the "unified dataflow".
 
-Dispatch points: `rmsnorm` (+ `act_quant`), `linear`, `attention`, `round`
-(residual / embedding / any storage site). Each emits named taps through
-`self.tap(name, tensor)` when a tap callback is installed.
+Dispatch points: `rmsnorm` (+ `act_quant`), `linear`, `attention`, `router`,
+`moe`, `round` (residual / embedding / any storage site). Each emits named
+taps through `self.tap(name, tensor)` when a tap callback is installed.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from engine.formats import QTensor, quantize
+from engine.config import MoeConfig
+from engine.formats import QTensor, parse_spec, quantize
 from engine.formats.accumulate import matmul_accum
 from engine.recipe import HIGH_PRECISION, Recipe
+from engine.routing import dispatch_plan, route
 
 TapFn = Callable[[str, torch.Tensor], None]
 QuantObserver = Callable[[str, str, QTensor], None]
@@ -97,7 +99,10 @@ class Numerics:
         from a fused quant upstream, in which case it is not quantized again.
         """
         xq = x if isinstance(x, QTensor) else self.quant(x, input_site, module)
-        xd = xq.dequantize()
+        return self._gemm(xq.dequantize(), w, bias, module)
+
+    def _gemm(self, xd: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, module: str) -> torch.Tensor:
+        """The GEMM half of `linear`: `xd` already holds the input's format values (fp32)."""
         lead = xd.shape[:-1]
         a = xd.reshape(-1, xd.shape[-1])  # (tokens, K)
         acc = self.recipe.accumulate
@@ -123,20 +128,24 @@ class Numerics:
         return self.round(x, site, module)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor, module: str, sliding_window: int | None = None) -> torch.Tensor:
+                  k_pos: torch.Tensor, module: str, sliding_window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         """Causal GQA attention; QK^T and softmax in the `attn.softmax` precision.
 
-        q: (batch, heads, tq, d), k/v: (batch, kv_heads, tk, d) already in their cache
-        formats; q_pos (tq,), k_pos (tk,) absolute positions. Returns (batch, tq, heads*d) fp32.
+        q: (batch, heads, tq, d), k: (batch, kv_heads, tk, d), v: (batch, kv_heads, tk, dv)
+        already in their cache formats; q_pos (tq,), k_pos (tk,) absolute positions;
+        `scale` defaults to 1/sqrt(d). Returns (batch, tq, heads*dv) fp32.
         """
         b, h, tq, d = q.shape
+        dv = v.shape[-1]
         hkv = k.shape[1]
         q = self.round(q, "attn.q", module)
         if hkv != h:
             k = k.repeat_interleave(h // hkv, dim=1)  # (batch, heads, tk, d)
             v = v.repeat_interleave(h // hkv, dim=1)
         sm = self.recipe.spec("attn.softmax", module)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (batch, heads, tq, tk)
+        scale = (1.0 / math.sqrt(d)) if scale is None else scale
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (batch, heads, tq, tk)
         mask = k_pos[None, :] > q_pos[:, None]  # (tq, tk) True = masked
         if sliding_window is not None:
             mask = mask | (k_pos[None, :] <= q_pos[:, None] - sliding_window)
@@ -146,5 +155,76 @@ class Numerics:
         probs = torch.softmax(scores, dim=-1)
         if sm != "fp32":
             probs = probs.to(_FLOAT_DTYPES[sm]).float()
-        out = torch.matmul(probs, v)  # (batch, heads, tq, d)
-        return out.transpose(1, 2).reshape(b, tq, h * d)  # (batch, tq, heads*d)
+        out = torch.matmul(probs, v)  # (batch, heads, tq, dv)
+        return out.transpose(1, 2).reshape(b, tq, h * dv)  # (batch, tq, heads*dv)
+
+    # ------------------------------------------------------------------- MoE
+    def router(self, x: torch.Tensor, w: torch.Tensor, module: str) -> torch.Tensor:
+        """Router (gate) logits x @ w.T in the `router` compute precision (fp32 by default); returned fp32.
+
+        `x` is the high-precision normed hidden state, never the FP8 expert input.
+        """
+        dtype = _FLOAT_DTYPES[self.recipe.spec("router", module)]
+        return F.linear(x.to(dtype), w.to(dtype)).float()
+
+    def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
+            experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cfg: MoeConfig, module: str,
+            tap: str) -> torch.Tensor:
+        """Routed experts of one MoE layer: (tokens, d) -> (tokens, d) fp32, the weighted sum over each token's top-k.
+
+        x: (tokens, d) high-precision normed hidden (router input); xq: the same tokens
+        quantized once at site `moe.input` (the experts' input, quantized before
+        dispatch); experts[e] = prepared (gate, up, down) weights (site `moe.weight`).
+        Emits `{tap}moe.router_logits` (tokens, experts) fp32 and `{tap}moe.topk`
+        (tokens, k) int64. Token copies are sorted by expert, each expert's
+        contiguous segment runs SwiGLU through `_gemm` (down_proj input quantized
+        per segment at `moe.input`), outputs are scaled by the routing weights
+        in fp32 and summed back per token with index_add.
+        """
+        n, d = x.shape
+        logits = self.router(x, router_w, module + ".gate")  # (tokens, experts)
+        self.emit(tap + "moe.router_logits", logits)
+        weights, ids = route(logits, cfg, correction_bias)  # (tokens, k) each
+        self.emit(tap + "moe.topk", ids)
+        plan = dispatch_plan(ids, cfg.num_experts)
+        xs = xq.dequantize().reshape(n, d).index_select(0, plan.token)  # (tokens*k, d), expert-contiguous
+        segments = []  # (expert, start, count) of every non-empty expert
+        start = 0
+        for e, count in enumerate(plan.counts):
+            if count:
+                segments.append((e, start, count))
+                start += count
+        acts = []
+        for e, s0, count in segments:
+            path = f"{module}.experts.{e}"
+            g = self._gemm(xs[s0:s0 + count], experts[e][0], None, path + ".gate_proj")  # (count, inter)
+            u = self._gemm(xs[s0:s0 + count], experts[e][1], None, path + ".up_proj")
+            acts.append(F.silu(g) * u)
+        outs = []
+        row_spec = self._rowwise_spec("moe.input", [f"{module}.experts.{e}.down_proj" for e, _, _ in segments])
+        if row_spec is not None:  # row-local format: one quantization of all segments gives the same bits
+            a_all = self.quant(torch.cat(acts), "moe.input", module + ".experts.down_proj", row_spec).dequantize()
+            for e, s0, count in segments:
+                outs.append(self._gemm(a_all[s0:s0 + count], experts[e][2], None,
+                                       f"{module}.experts.{e}.down_proj"))  # (count, d)
+        else:  # per-tensor / 2-D tile / NVFP4 scales: each expert's activation gets its own scale
+            for (e, _, _), act in zip(segments, acts):
+                path = f"{module}.experts.{e}.down_proj"
+                outs.append(self.linear(self.act_quant(act, path, site="moe.input"), experts[e][2], None, path))
+        y = torch.cat(outs) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
+        return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+
+    def _rowwise_spec(self, site: str, modules: Sequence[str]) -> str | None:
+        """The common spec of `site` over `modules` when it quantizes every row independently, else None.
+
+        Row-local = passthrough, per-token/channel, 1xN blocks or MX blocks, with no static scale:
+        quantizing the rows together or apart then gives identical bits.
+        """
+        specs = {self.recipe.spec(site, m) for m in modules}
+        if len(specs) != 1 or self.recipe.scales.get(site):
+            return None
+        spec = specs.pop()
+        parsed = parse_spec(spec)
+        row_local = parsed.granularity in ("none", "channel", "token", "mx") or (
+            parsed.granularity == "tile" and parsed.tile is not None and parsed.tile[0] == 1)
+        return spec if row_local else None

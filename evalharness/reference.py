@@ -49,6 +49,21 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _per_token(x: torch.Tensor) -> torch.Tensor:
+    """(batch, t, heads, n) per-head activations as (batch, t, heads*n)."""
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def _latent(x: torch.Tensor) -> torch.Tensor:
+    """An MLA activation viewed as one head, (batch, 1, t, n), as (batch, t, n)."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Any activation as (tokens, n)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 class ReferenceLM:
     """HF model wrapped in the engine interface: `logits(tokens, tap=...)` and `generate(...)`."""
 
@@ -67,35 +82,108 @@ class ReferenceLM:
         return self.cfg.vocab_size
 
     def _emit(self, name: str, x: torch.Tensor) -> None:
-        """Forward a hooked activation to the current tap callback as fp32."""
+        """Forward a hooked activation to the current tap callback (fp32; integer ids stay integer)."""
         if self._tap is not None:
-            self._tap(name, x.detach().float())
+            x = x.detach()
+            self._tap(name, x.float() if x.is_floating_point() else x)
 
     def _install_hooks(self) -> None:
-        """Register hooks producing canonical tap names (see engine.model)."""
+        """Register hooks producing canonical tap names (definitions in engine.model's docstring).
+
+        The hooks are chosen per block from the HF module names: GQA attention
+        (q/k/v_proj, optional q_norm/k_norm), MLA attention (q_a_proj, q_b_proj or
+        q_proj, kv_a_proj_with_mqa, kv_b_proj), dense MLP (down_proj) or MoE block
+        (gate, shared_expert(s)).
+        """
         base = self.model.model
-
-        def out_hook(name):
-            return lambda mod, args, out: self._emit(name, _first(out))
-
-        def in_hook(name):
-            return lambda mod, args: self._emit(name, args[0])
-
-        base.embed_tokens.register_forward_hook(out_hook("embed"))
+        base.embed_tokens.register_forward_hook(self._out_hook("embed"))
         for i, layer in enumerate(base.layers):
             p = f"layers.{i}."
-            layer.input_layernorm.register_forward_hook(out_hook(p + "attn_norm"))
-            layer.self_attn.q_proj.register_forward_hook(out_hook(p + "attn.q"))
-            layer.self_attn.k_proj.register_forward_hook(out_hook(p + "attn.k"))
-            layer.self_attn.v_proj.register_forward_hook(out_hook(p + "attn.v"))
-            layer.self_attn.o_proj.register_forward_pre_hook(in_hook(p + "attn.out"))
-            layer.self_attn.o_proj.register_forward_hook(out_hook(p + "attn.o_proj"))
-            layer.post_attention_layernorm.register_forward_pre_hook(in_hook(p + "resid_mid"))
-            layer.post_attention_layernorm.register_forward_hook(out_hook(p + "mlp_norm"))
-            layer.mlp.down_proj.register_forward_pre_hook(in_hook(p + "mlp.act"))
-            layer.mlp.register_forward_hook(out_hook(p + "mlp.out"))
-            layer.register_forward_hook(out_hook(p + "resid_out"))
-        base.norm.register_forward_hook(out_hook("final_norm"))
+            layer.input_layernorm.register_forward_hook(self._out_hook(p + "attn_norm"))
+            attn = layer.self_attn
+            if hasattr(attn, "kv_a_proj_with_mqa"):
+                self._hook_mla(attn, p)
+            else:
+                self._hook_gqa(attn, p)
+            attn.o_proj.register_forward_pre_hook(self._in_hook(p + "attn.out"))
+            attn.o_proj.register_forward_hook(self._out_hook(p + "attn.o_proj"))
+            layer.post_attention_layernorm.register_forward_pre_hook(self._in_hook(p + "resid_mid"))
+            layer.post_attention_layernorm.register_forward_hook(self._out_hook(p + "mlp_norm"))
+            mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe")
+            if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+                self._hook_moe(mlp, p)
+            else:
+                mlp.down_proj.register_forward_pre_hook(self._in_hook(p + "mlp.act"))
+            mlp.register_forward_hook(self._out_hook(p + "mlp.out"))
+            layer.register_forward_hook(self._out_hook(p + "resid_out"))
+        base.norm.register_forward_hook(self._out_hook("final_norm"))
+
+    def _out_hook(self, name: str, view=None):
+        """A forward hook emitting a module's output (reshaped by `view` when given)."""
+        def hook(mod, args, out):
+            """Emit the (reshaped) output."""
+            x = _first(out)
+            self._emit(name, view(x) if view is not None else x)
+        return hook
+
+    def _in_hook(self, name: str):
+        """A forward pre-hook emitting a module's first input."""
+        return lambda mod, args: self._emit(name, args[0])
+
+    def _hook_gqa(self, attn, p: str) -> None:
+        """q/k/v projection outputs, plus the normed q/k of Qwen3 / OLMoE (flattened per token)."""
+        attn.q_proj.register_forward_hook(self._out_hook(p + "attn.q"))
+        attn.k_proj.register_forward_hook(self._out_hook(p + "attn.k"))
+        attn.v_proj.register_forward_hook(self._out_hook(p + "attn.v"))
+        if getattr(attn, "q_norm", None) is not None:
+            attn.q_norm.register_forward_hook(self._out_hook(p + "attn.q_norm", _per_token))
+            attn.k_norm.register_forward_hook(self._out_hook(p + "attn.k_norm", _per_token))
+
+    def _hook_mla(self, attn, p: str) -> None:
+        """MLA taps: q_a, q, kv_a from module outputs; kv, k, v derived from kv_b_proj's output + kv_a's rope part."""
+        nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+        heads, lora = attn.num_heads, attn.kv_lora_rank
+        latest: dict[str, torch.Tensor] = {}
+        if getattr(attn, "q_a_proj", None) is not None:
+            attn.q_a_proj.register_forward_hook(self._out_hook(p + "attn.q_a"))
+            attn.q_b_proj.register_forward_hook(self._out_hook(p + "attn.q"))
+        else:
+            attn.q_proj.register_forward_hook(self._out_hook(p + "attn.q"))
+
+        def kv_a_hook(mod, args, out):
+            """Emit [latent | k_pe]; keep k_pe for the attn.k tap."""
+            if self._tap is None:
+                return
+            latest["k_pe"] = out[..., lora:]  # (batch, t, rope), before RoPE
+            self._emit(p + "attn.kv_a", out)
+
+        def kv_b_hook(mod, args, out):
+            """Emit attn.kv and its per-head split: attn.k = [k_nope | k_pe], attn.v."""
+            if self._tap is None:
+                return
+            kv = _latent(out)  # (batch, t, heads*(nope+v))
+            self._emit(p + "attn.kv", kv)
+            b, t = kv.shape[:2]
+            per_head = kv.view(b, t, heads, -1)  # (batch, t, heads, nope+v)
+            k_pe = latest.pop("k_pe")[:, :, None, :].expand(b, t, heads, rope)  # (batch, t, heads, rope)
+            k = torch.cat((per_head[..., :nope], k_pe), dim=-1)  # (batch, t, heads, nope+rope)
+            self._emit(p + "attn.k", k.reshape(b, t, -1))  # (batch, t, heads*(nope+rope))
+            self._emit(p + "attn.v", per_head[..., nope:].reshape(b, t, -1))  # (batch, t, heads*v)
+
+        attn.kv_a_proj_with_mqa.register_forward_hook(kv_a_hook)
+        attn.kv_b_proj.register_forward_hook(kv_b_hook)
+
+    def _hook_moe(self, mlp, p: str) -> None:
+        """Router logits and top-k ids from the gate's (logits, weights, ids) output; shared expert output."""
+        def gate_hook(mod, args, out):
+            """Emit router logits (tokens, experts) and top-k ids (tokens, k)."""
+            self._emit(p + "moe.router_logits", out[0])
+            self._emit(p + "moe.topk", out[2])
+
+        mlp.gate.register_forward_hook(gate_hook)
+        shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+        if shared is not None:
+            shared.register_forward_hook(self._out_hook(p + "moe.shared", _rows))
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,

@@ -53,6 +53,38 @@ def write_random_llama(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def randomize_weights(model, seed: int = 0, bias_std: float = 0.1) -> None:
+    """Re-initialise an HF model so activations are non-trivial (default init, std 0.02, gives near-uniform logits).
+
+    Matrices (incl. 3D fused expert stacks) ~ N(0, 1/fan_in), norm weights ~ U(0.5, 1.5), other vectors
+    ~ N(0, 0.1); DeepSeek-V3's e_score_correction_bias buffers ~ N(0, bias_std) so that selection-only
+    biases change the expert choice.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * bias_std)
+
+
+def write_random_model(path: Path, config, seed: int = 0) -> Path:
+    """Write a random-init HF model folder (config.json + model.safetensors) for any transformers config object."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @pytest.fixture
 def random_llama(tmp_path) -> Path:
     """A random-init Llama folder."""

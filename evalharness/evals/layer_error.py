@@ -5,6 +5,10 @@ this batch's activations; the engine then runs with a sink that folds each
 tap straight into its `ErrorAccumulator`. Only one batch of reference
 activations is alive at a time. Format statistics of every quantization the
 engine performs (saturation, underflow) are aggregated per site.
+
+MoE expert choices (``*.moe.topk`` taps, integer ids (tokens, k)) are not
+compared numerically: they report ``<tap>.overlap`` = mean over tokens of
+|engine set & reference set| / k (1.0 = the same experts everywhere).
 """
 
 from __future__ import annotations
@@ -19,6 +23,34 @@ from evalharness.evals import EvalContext
 from evalharness.evals.errorstats import ErrorAccumulator
 
 REPORTED = ("rel_l2", "cosine", "sqnr_db", "max_abs", "mean_abs", "p99_abs")
+ID_TAP_SUFFIX = "moe.topk"
+
+
+def topk_overlap(engine: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per-token |engine ids & reference ids| / k for (tokens, k) expert-id tensors (ids unique per row)."""
+    if engine.shape != reference.shape:
+        raise ValueError(f"top-k shapes differ: engine {tuple(engine.shape)} vs reference {tuple(reference.shape)}")
+    e, r = engine.long(), reference.long().to(engine.device)
+    hits = (e[:, :, None] == r[:, None, :]).any(dim=-1).sum(dim=-1)  # (tokens,)
+    return hits.double() / e.shape[-1]
+
+
+class OverlapAccumulator:
+    """Running mean of the per-token top-k overlap of one `*.moe.topk` tap."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def update(self, engine: torch.Tensor, reference: torch.Tensor) -> None:
+        """Fold one batch in."""
+        ov = topk_overlap(engine, reference)
+        self.total += float(ov.sum())
+        self.count += int(ov.numel())
+
+    def result(self) -> dict[str, float]:
+        """{'overlap': mean over tokens} (NaN before any update)."""
+        return {"overlap": self.total / self.count if self.count else float("nan")}
 
 
 def _selected(name: str, patterns: list[str] | None) -> bool:
@@ -29,7 +61,7 @@ def _selected(name: str, patterns: list[str] | None) -> bool:
 def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
     """Per-tap rel_l2 / cosine / SQNR / max / mean / p99 abs error, plus quantization statistics per site."""
     win = ctx.windows(cfg["seq_len"], None, cfg["windows"], max(cfg["windows"] * cfg["seq_len"] * 2, 4096), cfg["bos"])
-    acc: dict[str, ErrorAccumulator] = {}
+    acc: dict[str, ErrorAccumulator | OverlapAccumulator] = {}
     order: list[str] = []
     sat = defaultdict(lambda: [0.0, 0.0, 0.0])  # site -> [saturated, underflowed, elements]
     patterns = cfg["taps"]
@@ -50,13 +82,13 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
 
         def ref_sink(name: str, t: torch.Tensor) -> None:
             if _selected(name, patterns):
-                ref_taps[name] = t.detach().float()
+                ref_taps[name] = t.detach() if name.endswith(ID_TAP_SUFFIX) else t.detach().float()
 
         def eng_sink(name: str, t: torch.Tensor) -> None:
             if name not in ref_taps:
                 return
             if name not in acc:
-                acc[name] = ErrorAccumulator()
+                acc[name] = OverlapAccumulator() if name.endswith(ID_TAP_SUFFIX) else ErrorAccumulator()
                 order.append(name)
             acc[name].update(t, ref_taps.pop(name))
 
@@ -70,6 +102,9 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
     worst, worst_rel = None, -1.0
     for name in order:
         res = acc[name].result()
+        if isinstance(acc[name], OverlapAccumulator):
+            metrics[f"{name}.overlap"] = res["overlap"]
+            continue
         for stat in REPORTED:
             metrics[f"{name}.{stat}"] = res[stat]
         if res["nonfinite_frac"] > 0:
