@@ -1,0 +1,344 @@
+"""The lm-eval adapter (HarnessLM), the offline task configs and the `tasks` eval.
+
+A tiny random Llama with a byte tokenizer is scored through the engine (fp32
+recipe) and through the HF reference; both must give the log-likelihoods of a
+direct computation with transformers. The task YAMLs must load offline from
+the shared data dir, and a second recipe must not run the reference again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from engine.api import Engine  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from engine.model import Transformer  # noqa: E402
+from engine.tokenizer import ByteTokenizer  # noqa: E402
+from evalharness.evals import EvalContext, run_eval  # noqa: E402
+from evalharness.evals.tasks import paired_task_metrics  # noqa: E402
+from evalharness.lm_adapter import HarnessLM, rolling_chunks  # noqa: E402
+from evalharness.reference import ReferenceLM  # noqa: E402
+from tests.conftest import write_random_llama  # noqa: E402
+
+BOS, EOS = 256, 257
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(engine fp32, reference, tokenizer, loaded) for a random Llama over bytes (vocab 260, context 96)."""
+    d = write_random_llama(tmp_path_factory.mktemp("tiny") / "m", seed=5, vocab_size=260, max_position_embeddings=96,
+                           bos_token_id=BOS, eos_token_id=EOS)
+    loaded = load_model(str(d))
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    return Engine(Transformer(loaded.cfg, loaded.weights), "fp32"), ReferenceLM(loaded), tok, loaded
+
+
+def _req(kind: str, *args) -> Instance:
+    """An lm-eval request instance."""
+    return Instance(request_type=kind, doc={}, arguments=tuple(args), idx=0)
+
+
+def _direct_ll(ref: ReferenceLM, ids: list[int], n_cont: int, max_len: int) -> tuple[float, bool]:
+    """Sum of log-probs of the last `n_cont` ids given the rest, straight from the HF model (no adapter code)."""
+    inp = ids[:-1][-max_len:]
+    with torch.no_grad():
+        logits = ref.model(input_ids=torch.tensor([inp])).logits[0].double()  # (t, vocab)
+    lp = torch.log_softmax(logits[-n_cont:], dim=-1)
+    target = torch.tensor(ids[-n_cont:])
+    return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
+
+
+PAIRS = [("The cat sat on the", " mat"), ("Question: 2+2=?\nAnswer:", " 4"), ("", "hello world"),
+         ("trailing space ", "moves"), ("x" * 150, " long context is left-truncated")]
+
+
+def test_loglikelihood_engine_reference_direct(tiny):
+    """Engine (fp32) and reference LMs agree within 1e-4 with each other and with a direct HF computation;
+    batching with right padding changes nothing; the greedy flags agree."""
+    engine, ref, tok, loaded = tiny
+    reqs = [_req("loglikelihood", c, x) for c, x in PAIRS]
+    lm_e = HarnessLM(engine, tok, batch_size=3, name="engine")
+    lm_r = HarnessLM(ref, tok, batch_size=3, name="reference")
+    out_e, out_r = lm_e.loglikelihood(reqs), lm_r.loglikelihood(reqs)
+    out_1 = HarnessLM(engine, tok, batch_size=1).loglikelihood(reqs)
+    assert lm_e.max_length == 96 and lm_e.counters["forward_batches"] == 2  # 5 distinct sequences, batches of 3
+    for (c, x), e, r, one in zip(PAIRS, out_e, out_r, out_1):
+        c2, x2 = (c.rstrip(), c[len(c.rstrip()):] + x)
+        ids = ([BOS] + list(c2.encode())) if c2 else [BOS]
+        cont = list(x2.encode())
+        want, greedy = _direct_ll(ref, ids + cont, len(cont), 96)
+        assert abs(e[0] - want) <= TOL and abs(r[0] - want) <= TOL, (c, x, e, r, want)
+        assert abs(one[0] - e[0]) <= TOL
+        assert e[1] == r[1] == greedy
+        assert e[0] < 0
+    # The trailing space of a context belongs to the continuation.
+    assert lm_e.encode_pair("a b ", "c") == ([BOS] + list(b"a b"), list(b" c"))
+    assert lm_e.encode_pair("", "hi") == ([BOS], list(b"hi"))
+
+
+def test_rolling_chunks_score_every_token_once():
+    """Disjoint predicted spans covering the text; inputs never exceed max_length; the last window is full."""
+    tokens = list(range(10, 33))  # 23 tokens
+    chunks = rolling_chunks(tokens, prefix_id=1, max_length=8)
+    predicted = [t for _, cont in chunks for t in cont]
+    assert predicted == tokens
+    for ctx, cont in chunks:
+        assert 1 <= len(ctx) and len(ctx) + len(cont) - 1 <= 8
+    assert chunks[0][0] == [1]
+    assert len(chunks[-1][0]) + len(chunks[-1][1]) - 1 == 8
+    assert rolling_chunks([5, 6], 1, 8) == [([1], [5, 6])]
+
+
+def test_loglikelihood_rolling_is_sum_of_token_nlls(tiny):
+    """One window: the rolling log-likelihood equals minus the sum of per-token NLLs of one forward pass;
+    several windows: the sum over windows of direct computations."""
+    engine, ref, tok, _ = tiny
+    text = "It was the best of times, it was the worst of times."
+    ids = list(text.encode())
+    with torch.no_grad():
+        logits = ref.model(input_ids=torch.tensor([[BOS] + ids[:-1]])).logits[0].double()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids), reduction="none")
+    got = HarnessLM(engine, tok).loglikelihood_rolling([_req("loglikelihood_rolling", text)])[0]
+    assert abs(got + float(nll.sum())) <= TOL
+    lm = HarnessLM(ref, tok, max_length=16)
+    want = sum(_direct_ll(ref, c + x, len(x), 16)[0] for c, x in rolling_chunks(ids, BOS, 16))
+    got = lm.loglikelihood_rolling([_req("loglikelihood_rolling", text)])[0]
+    assert abs(got - want) <= TOL and lm.counters["sequences"] == math.ceil(len(ids) / 16)
+
+
+class ScriptedModel:
+    """Engine-interface stand-in whose greedy output is a fixed byte string (honours stop ids and the budget)."""
+
+    max_seq_len = 64
+
+    def __init__(self, text: str):
+        """Script the output `text` (as byte tokens)."""
+        self.out = list(text.encode())
+        self.calls = []
+
+    def generate(self, prompt, max_new_tokens, stop_ids=(), return_logits=False):
+        """The scripted tokens up to the budget, stopping after a stop id."""
+        self.calls.append((list(prompt), max_new_tokens, tuple(stop_ids)))
+        out = []
+        for t in self.out[:max_new_tokens]:
+            out.append(t)
+            if t in stop_ids:
+                break
+        return out
+
+
+def test_generate_until_respects_stop_strings():
+    """Cut before the first stop string (any of several), at EOS, at max_gen_toks; early stop is exact."""
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    model = ScriptedModel("The answer is 42.\n\nQuestion: next one")
+    lm = HarnessLM(model, tok)
+    gen = lambda ctx, **kw: lm.generate_until([_req("generate_until", ctx, kw)])[0]  # noqa: E731
+    assert gen("Q", until=["Question:", "\n\n"], max_gen_toks=40) == "The answer is 42."
+    assert gen("Q", until=["42"], max_gen_toks=40) == "The answer is "
+    assert gen("Q", until="is", max_gen_toks=40) == "The answer "
+    assert gen("Q", until=["zzz"], max_gen_toks=5) == "The a"
+    assert model.calls[-1][1] == 5
+    # Single-character stop strings become stop ids (every byte token containing them): generation stops there.
+    gen("Q", until=["."], max_gen_toks=40)
+    assert ord(".") in model.calls[-1][2] and EOS in model.calls[-1][2]
+    # The prompt is BOS + context, left-truncated to leave room for the generation.
+    gen("x" * 100, until=["."], max_gen_toks=20)
+    assert len(model.calls[-1][0]) == 64 - 20
+    eos_model = ScriptedModel("ab")
+    eos_model.out = [ord("a"), EOS, ord("b")]
+    assert HarnessLM(eos_model, tok).generate_until([_req("generate_until", "Q", {"until": ["zz"]})]) == ["a"]
+
+
+def test_generate_until_real_model_matches_greedy(tiny):
+    """On a real model, generate_until = the greedy continuation decoded and cut at the stop string."""
+    engine, ref, tok, _ = tiny
+    full = tok.decode(ref.generate([BOS] + list(b"Once upon"), 12))
+    stop = full[3:5] if len(full) >= 5 else "\x00"
+    for model in (engine, ref):
+        out = HarnessLM(model, tok).generate_until([_req("generate_until", "Once upon", {"until": [stop],
+                                                                                       "max_gen_toks": 12})])
+        assert out == [full[:full.find(stop)] if stop in full else full]
+
+
+def test_paired_task_metrics_known_values():
+    """Constructed correctness arrays: accuracies, flips, exact McNemar p and the delta interval."""
+    ref = {"correct": [1] * 10 + [0] * 10, "pred": list(range(20)), "lls": [None] * 20, "version": 1.0}
+    eng = {"correct": [1] * 4 + [0] * 6 + [0] * 10, "pred": list(range(20)), "lls": [None] * 20}
+    m, s = paired_task_metrics(ref, eng)
+    assert m["acc_ref"] == 0.5 and m["acc_eng"] == 0.2 and m["delta"] == pytest.approx(-0.3)
+    assert m["flip_c2w"] == pytest.approx(0.3) and m["flip_w2c"] == 0.0
+    assert m["mcnemar_p"] == pytest.approx(2 * 0.5 ** 6)  # 6 discordant pairs, all one way
+    assert m["delta_lo"] < -0.3 < m["delta_hi"] < 0 and m["acc_eng_lo"] < 0.2 < m["acc_eng_hi"]
+    assert 0.3 < m["mde"] < 0.7 and m["n"] == 20 and m["version"] == 1.0 and m["pred_agree"] == 1.0
+    assert s["correct_eng"][:5] == [1, 1, 1, 1, 0]
+
+
+TASK_COUNTS = {"hellaswag": 10042, "arc_easy": 2376, "arc_challenge": 1172, "piqa": 1838, "winogrande": 1267,
+               "lambada": 5153, "gsm8k": 1319}
+
+
+def test_task_yamls_load_offline(data_dir, monkeypatch):
+    """All seven local task configs load from the data dir with downloads disabled, with versions and
+    the expected document counts and prompts."""
+    from evalharness.evals.tasks import _offline, task_manager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    _offline()
+    tm = task_manager(list(TASK_COUNTS), [], str(data_dir))
+    loaded = tm.load(list(TASK_COUNTS))["tasks"]
+    assert set(loaded) == set(TASK_COUNTS)
+    for name, task in loaded.items():
+        docs = task.eval_docs
+        assert len(docs) == TASK_COUNTS[name], name
+        assert task.get_config("metadata")["version"] == 1.0
+    doc = loaded["hellaswag"].eval_docs[0]
+    assert loaded["hellaswag"].doc_to_target(doc) == 3 and len(loaded["hellaswag"].doc_to_choice(doc)) == 4
+    lam = loaded["lambada"].eval_docs[0]
+    assert loaded["lambada"].doc_to_target(lam) == " signs" and not loaded["lambada"].doc_to_text(lam).endswith(" ")
+    gsm = loaded["gsm8k"].eval_docs[0]
+    assert gsm["gold"] == "18" and loaded["gsm8k"].get_config("num_fewshot") == 5
+    wg = loaded["winogrande"].eval_docs[0]
+    assert loaded["winogrande"].doc_to_text(wg) == 1
+    assert loaded["winogrande"].doc_to_choice(wg)[1].endswith("so Maria")
+
+
+def test_task_yamls_without_data_dir_fail_clearly(monkeypatch, tmp_path):
+    """No data dir: the loader names what to pass."""
+    import importlib.util
+
+    from evalharness.evals.tasks import BUILTIN_TASK_DIR
+
+    monkeypatch.delenv("EVALHARNESS_DATA_DIR", raising=False)
+    spec = importlib.util.spec_from_file_location("local_data_t", BUILTIN_TASK_DIR / "local_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        mod.piqa()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        mod.piqa(data_dir=str(tmp_path))
+
+
+class CountingModel:
+    """Wraps an engine-interface model and counts its forward and generate calls."""
+
+    def __init__(self, inner):
+        """Wrap `inner`."""
+        self.inner, self.calls = inner, 0
+        self.cfg = inner.cfg
+
+    def logits(self, tokens, tap=None):
+        """Counted forward pass."""
+        self.calls += 1
+        return self.inner.logits(tokens)
+
+    def generate(self, *args, **kwargs):
+        """Counted generation."""
+        self.calls += 1
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_tasks_eval_caches_reference_across_recipes(tiny, data_dir):
+    """Two recipes of one model: the reference runs once per task; fp32 agrees exactly, bf16 is paired
+    against the same reference samples."""
+    engine, ref, tok, loaded = tiny
+    counting = CountingModel(ref)
+    cache, counters = {}, {}
+    cfg = {"tasks": ["piqa", "lambada", "gsm8k"], "limit": 3, "num_fewshot": 0, "max_gen_toks": 4,
+           "data_dir": str(data_dir)}
+    results = {}
+    for recipe in ("fp32", "bf16"):
+        ctx = EvalContext(engine=Engine(engine.model, recipe), reference=counting, tokenizer=tok, corpus="",
+                          vocab_size=260, batch_size=4, seed=0, cache=cache, counters=counters)
+        results[recipe] = run_eval("tasks", ctx, cfg)
+        if recipe == "fp32":
+            ref_calls = counting.calls
+            assert counters["reference_passes"] == 3 and ref_calls > 0
+    assert counting.calls == ref_calls, "the second recipe ran the reference again"
+    assert counters["reference_passes"] == 3 and counters["reference_cache_hits"] == 3
+    m32, s32 = results["fp32"]
+    for task in ("piqa", "lambada", "gsm8k"):
+        assert m32[f"{task}.n"] == 3
+        assert m32[f"{task}.acc_eng"] == m32[f"{task}.acc_ref"] and m32[f"{task}.mcnemar_p"] == 1.0
+        assert m32[f"{task}.pred_agree"] == 1.0
+        assert s32[f"{task}.correct_eng"] == s32[f"{task}.correct_ref"]
+        assert results["bf16"][1][f"{task}.correct_ref"] == s32[f"{task}.correct_ref"]
+    assert m32["piqa.ll_absdiff_mean"] <= TOL < results["bf16"][0]["piqa.ll_absdiff_mean"]
+    assert m32["piqa.version"] == 1.0 and "gsm8k.ll_absdiff_mean" not in m32
+
+
+def test_evals_suite_and_full_run_overrides_parse():
+    """suites/evals.yaml validates, and so do the full-run overrides documented in its header."""
+    import re as _re
+
+    from evalharness.suite import load_suite
+    from tests.conftest import REPO
+
+    path = REPO / "suites" / "evals.yaml"
+    header = path.read_text().split("\nname:")[0]
+    sets = _re.findall(r"--set (\S+=\S+)", header)
+    assert len(sets) >= 10
+    suite = load_suite(path, sets=sets)
+    run = suite.runs[0]
+    assert set(run.evals) == {"layer_error", "ppl_kld", "tasks", "longctx"}
+    assert run.evals["tasks"]["limit"] is None and run.evals["longctx"]["new_tokens"] == 1024
+    assert [r.recipe.name for r in suite.runs if r.model["name"] == "zoo-llama"][-1] == "fp8-kv"
+
+
+class ZeroModel:
+    """Uniform logits and a fixed generation: lets lm-eval's own machinery run in milliseconds."""
+
+    max_seq_len = 2048
+
+    def logits(self, tokens, tap=None):
+        """All-zero logits (batch, t, 260)."""
+        return torch.zeros(tokens.shape[0], tokens.shape[1], 260)
+
+    def generate(self, prompt, max_new_tokens, stop_ids=(), return_logits=False):
+        """' 42' then spaces."""
+        return (list(b" 42") + [32] * max_new_tokens)[:max_new_tokens]
+
+
+def test_reused_task_objects_reset_per_run_settings(data_dir):
+    """Task objects are shared by every run of a process; few-shot count and generation budget must not leak
+    from one run into the next."""
+    from evalharness.evals.tasks import _offline, evaluate_task, task_manager
+
+    _offline()
+    tm = task_manager(["gsm8k"], [], str(data_dir))
+    lm = HarnessLM(ZeroModel(), ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS))
+    one = evaluate_task(lm, tm, "gsm8k", 2, 1, 0, 3)
+    default = evaluate_task(lm, tm, "gsm8k", 2, None, 0, None)
+    again = evaluate_task(lm, tm, "gsm8k", 2, 1, 0, 3)
+    assert (one["num_fewshot"], default["num_fewshot"], again["num_fewshot"]) == (1, 5, 1)
+    assert one["prompt_hashes"] == again["prompt_hashes"] != default["prompt_hashes"]
+    assert one["pred"] == again["pred"] and lm.counters["generated_tokens"] == 2 * 3 + 2 * 256 + 2 * 3
+
+
+def test_include_paths_user_task_with_local_json(tmp_path):
+    """A user task folder (include_paths) with lm-eval's own local-file support (dataset_path: json), offline."""
+    import json
+
+    rows = [{"q": f"Question {i}: pick", "choices": [" yes", " no"], "gold": i % 2} for i in range(5)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "mine.yaml").write_text(
+        "task: my_local_qa\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: gold\n"
+        "doc_to_choice: choices\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
+        "metadata: {version: 2.0}\n")
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    ctx = EvalContext(engine=ZeroModel(), reference=ZeroModel(), tokenizer=tok, corpus="", vocab_size=260,
+                      batch_size=4, seed=0, cache={}, counters={})
+    m, s = run_eval("tasks", ctx, {"tasks": ["my_local_qa"], "include_paths": [str(tmp_path)]})
+    assert m["my_local_qa.n"] == 5 and m["my_local_qa.version"] == 2.0
+    # Uniform logits: the shorter choice (" no", 3 bytes) has the higher log-likelihood: right for odd golds.
+    assert s["my_local_qa.correct_eng"] == s["my_local_qa.correct_ref"] == [0, 1, 0, 1, 0]
+    assert m["my_local_qa.delta"] == 0.0 and m["my_local_qa.ll_absdiff_mean"] == 0.0
