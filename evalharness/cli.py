@@ -6,6 +6,9 @@
     evalharness baseline update RESULTS_DIR [--baselines DIR] [--dry-run]
     evalharness log RESULTS_DIR [--tracking-uri URI] [--experiment NAME] [--force]
     evalharness recipes [NAME_OR_PATH]
+    evalharness selftest [--suite SUITE.yaml] [--out DIR] [--only ID,...] [--models NAME,...] [--set KEY=VALUE]...
+    evalharness report RESULTS_DIR [--out DIR] [--history DIR...]
+    evalharness trend RESULTS_DIR... [--out DIR] [--metric GLOB]...
 
 Exit codes: 0 success / gate pass, 1 regression (gate FAIL) or a run that
 crashed, 2 bad input (malformed suite, missing checkpoint or data, corrupt
@@ -93,7 +96,66 @@ def _parser() -> argparse.ArgumentParser:
 
     rc = sub.add_parser("recipes", help="list named recipes, or show one resolved")
     rc.add_argument("recipe", nargs="?", help="a named recipe or a recipe YAML path")
+    _add_issue8_parsers(sub)
     return p
+
+
+# -- selftest / report / trend (evalharness.selftest, evalharness.results_report, evalharness.trend)
+def _add_issue8_parsers(sub) -> None:
+    """The `selftest`, `report` and `trend` subcommands."""
+    st = sub.add_parser("selftest", help="planted regressions must FAIL the gate, null variants must not")
+    st.add_argument("--suite", default=str(DEFAULT_BASELINES.parent / "suites" / "smoke.yaml"),
+                    help="suite whose gate rules are tested (default: suites/smoke.yaml)")
+    st.add_argument("--out", default="selftest", help="working / report directory (default: ./selftest)")
+    st.add_argument("--catalog", default=None, help="catalog YAML (default: suites/selftest/catalog.yaml)")
+    st.add_argument("--only", default=None, help="comma-separated catalog ids to run")
+    st.add_argument("--models", default=None, help="comma-separated suite model names to use (default: all)")
+    st.add_argument("--data-dir", default=None, help="shared data folder (default: $EVALHARNESS_DATA_DIR)")
+    st.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="suite overrides for every run (e.g. evals.ppl_kld.max_windows=8)")
+    st.add_argument("--strict", action="store_true",
+                    help="exit 1 unless every planted regression is caught (also those below the noise floor)")
+    rp = sub.add_parser("report", help="markdown report + PNG plots of a results dir")
+    rp.add_argument("results", help="results directory written by `run`")
+    rp.add_argument("--out", default=None, help="report directory (default: RESULTS/report)")
+    rp.add_argument("--history", nargs="*", default=None, help="dated results dirs for the trend section")
+    tr = sub.add_parser("trend", help="time series of the gated metrics across dated results dirs")
+    tr.add_argument("results", nargs="+", help="results directories (dated, e.g. nightly/2026-11-28)")
+    tr.add_argument("--out", default="trend", help="output directory (default: ./trend)")
+    tr.add_argument("--metric", action="append", default=None, metavar="GLOB",
+                    help="metrics to trend (default: the gated metrics)")
+
+
+def _cmd_selftest(args) -> int:
+    """`selftest`: 0 when every applicable planted regression is caught and no null fails, else 1."""
+    from evalharness.selftest import CATALOG, run_selftest, table
+
+    split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
+    report = run_selftest(args.suite, args.out, sets=args.sets, data_dir=args.data_dir,
+                          catalog=args.catalog or CATALOG, only=split(args.only), models=split(args.models))
+    print(table(report))
+    print(f"wrote {Path(args.out) / 'selftest.json'} and {Path(args.out) / 'selftest.md'}")
+    return 0 if report["passed_strict" if args.strict else "passed"] else 1
+
+
+def _cmd_report(args) -> int:
+    """`report`: write report.md and the plots."""
+    from evalharness.results_report import build_report
+
+    path = build_report(args.results, args.out or str(Path(args.results) / "report"), history=args.history)
+    print(f"wrote {path} (+ plots in {path.parent})")
+    return 0
+
+
+def _cmd_trend(args) -> int:
+    """`trend`: write trend.md, trend.json and one PNG per metric."""
+    from evalharness.trend import build_trend
+
+    data = build_trend(args.results, args.out, metrics=args.metric)
+    print("\n".join(data["summary_lines"]))
+    print(f"wrote {Path(args.out) / 'trend.md'} ({len(data['metrics'])} metric(s) over {data['n_dirs']} dir(s))")
+    return 0
+# -- end selftest / report / trend
 
 
 def _cmd_run(args) -> int:
@@ -107,23 +169,27 @@ def _cmd_run(args) -> int:
     backend = resolve_backend(suite0.runs[0].backend, args.device)
     suite = suite0 if backend == suite0.runs[0].backend else load_suite(
         args.suite, sets=args.sets, data_dir=args.data_dir, backend=backend)
+    from evalharness.gate import validate_rules  # fail fast on bad gate rules, naming the suite file
+
+    validate_rules(suite.raw.get("gate"), str(suite.path))
     print(f"suite '{suite.name}': {len(suite.runs)} run(s) on {backend} -> {args.out}", file=sys.stderr)
     on_result, tracker = None, None
     if not args.no_tracking:  # mlflow is a view: a failure warns once and the run goes on
-        try:
-            from evalharness.tracking import make_result_logger
-        except ImportError as exc:
-            print(f"warning: mlflow tracking unavailable ({exc}); results are on disk only", file=sys.stderr)
-        else:
-            on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
+        from evalharness.tracking import make_result_logger
+
+        on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
     try:
-        outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result)
+        from evalharness.progress import ProgressLog
+
+        outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=ProgressLog())
     except BaseException:
         if tracker is not None:
             tracker.close("KILLED")
         raise
     if tracker is not None:
         tracker.close("FINISHED")
+        if tracker.summary():
+            print(tracker.summary(), file=sys.stderr)
     docs = [load_result(o.path) for o in outcomes]
     print(results_table(docs))
     if any(o.bad_input for o in outcomes):
@@ -141,7 +207,8 @@ def _cmd_gate(args) -> int:
         import yaml
 
         gate_cfg = (yaml.safe_load(Path(args.suite).read_text()) or {}).get("gate", {})
-    verdicts, missing = gate_results(args.results, args.baselines, gate_cfg, allow_missing=args.allow_missing)
+    verdicts, missing = gate_results(args.results, args.baselines, gate_cfg, allow_missing=args.allow_missing,
+                                     where=args.suite)
     code = exit_code(verdicts, missing)
     print(verdict_table(verdicts, show_pass=args.verbose))
     for m in missing:
@@ -258,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": _cmd_run, "gate": _cmd_gate, "baseline": _cmd_baseline, "recipes": _cmd_recipes,
                 "sensitivity": _cmd_analysis, "bisect": _cmd_analysis}
     handlers["log"] = _cmd_log
+    handlers.update({"selftest": _cmd_selftest, "report": _cmd_report, "trend": _cmd_trend})
     try:
         return handlers[args.command](args)
     except BAD_INPUT as exc:

@@ -52,8 +52,9 @@ def verdict_table(verdicts: list[Verdict], show_pass: bool = False) -> str:
     counts = defaultdict(int)
     for v in verdicts:
         counts[v.verdict] += 1
+    family = next((v.correction for v in verdicts if v.correction), None)
     lines.append(f"gate: {counts['PASS']} PASS, {counts['WARN']} WARN, {counts['FAIL']} FAIL "
-                 f"over {len({v.run_key for v in verdicts})} run(s)")
+                 f"over {len({v.run_key for v in verdicts})} run(s)" + (f"; p-values adjusted: {family}" if family else ""))
     return "\n".join(lines)
 
 
@@ -62,16 +63,31 @@ def write_summary(path: str | Path, verdicts: list[Verdict], missing: list[str],
     path = Path(path)
     status = {0: "PASS", 1: "FAIL (regression)", 2: "ERROR (bad input / missing baseline)"}[code]
     out = [f"# Numerics gate: {status}", ""]
+    counts = defaultdict(int)
+    for v in verdicts:
+        counts[v.verdict] += 1
+    out += [f"{counts['PASS']} PASS, {counts['WARN']} WARN, {counts['FAIL']} FAIL over "
+            f"{len({v.run_key for v in verdicts})} run(s).", ""]
+    family = next((v.correction for v in verdicts if v.correction), None)
+    if family:
+        demoted = sum("correction" in (v.message or "") and v.verdict == "WARN" for v in verdicts)
+        out += [f"Multiple-testing control: {family} (the whole matrix); {demoted} regression(s) "
+                "not significant after correction (shown as WARN).", ""]
     bad = [v for v in verdicts if v.verdict != "PASS"]
     if missing:
         out += ["## Missing baselines", ""] + [f"- {m}" for m in missing] + [""]
     if bad:
-        out += ["## Failures and warnings", "", "| verdict | run | metric | value | baseline | delta | threshold | CI | p |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += ["## Failures and warnings", "",
+                "| verdict | run | metric | value | baseline | delta | threshold | noise floor | CI | p | p adj | why |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for v in bad:
             ci = f"[{_fmt(v.interval[0])}, {_fmt(v.interval[1])}]" if v.interval else ""
+            p = f"{_fmt(v.p_value)} ({v.test})" if v.p_value is not None else ""
+            padj = f"{_fmt(v.p_adjusted)} ({v.correction})" if v.p_adjusted is not None else ""
+            nf = _fmt(v.noise_floor) if v.noise_floor is not None else ""
+            why = (v.message or "").replace("|", "/")
             out.append(f"| {v.verdict} | {v.run_key} | {v.metric} | {_fmt(v.value)} | {_fmt(v.baseline)} | "
-                       f"{_fmt(v.delta)} | {_fmt(v.threshold)} | {ci} | {_fmt(v.p_value) if v.p_value is not None else ''} |")
+                       f"{_fmt(v.delta)} | {_fmt(v.threshold)} | {nf} | {ci} | {p} | {padj} | {why} |")
         out.append("")
     by_run = defaultdict(list)
     for v in verdicts:

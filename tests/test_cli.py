@@ -35,7 +35,7 @@ def smoke_results(tmp_path_factory) -> Path:
 def test_smoke_run_writes_schema_results(smoke_results):
     """Four result files with schema version, spec, provenance and flat eval-prefixed metrics."""
     files = sorted(p.name for p in smoke_results.glob("*.json"))
-    assert "suite.json" in files and len(files) == 9  # 2 models x 4 recipes + suite.json
+    assert "suite.json" in files and len(files) == 13  # 3 models x 4 recipes + suite.json
     doc = load_result(smoke_results / "tiny-llama__fp8-block__default__cpu-emulated.json")
     assert doc["schema_version"] == 1 and doc["status"] == "ok"
     assert doc["spec"]["recipe"]["linear.input"] == "e4m3:1x128"
@@ -122,11 +122,12 @@ def test_interrupted_suite_keeps_finished_results_and_resumes(tmp_path, monkeypa
 
     monkeypatch.setattr(runner, "run_eval", flaky)
     assert main(args) == 130
-    assert load_result(out / "zoo-llama__fp32__default__cpu-emulated.json")["status"] == "ok"
-    assert not (out / "zoo-llama__bf16__default__cpu-emulated.json").exists()
+    assert load_result(out / "zoo-moe__fp32__default__cpu-emulated.json")["status"] == "ok"
+    assert not (out / "zoo-moe__bf16__default__cpu-emulated.json").exists()
     assert not list(out.glob(".*.tmp"))
     monkeypatch.setattr(runner, "run_eval", real)
     assert main(args + ["--resume"]) == 0
+    assert load_result(out / "zoo-moe__bf16__default__cpu-emulated.json")["status"] == "ok"
     assert load_result(out / "zoo-llama__bf16__default__cpu-emulated.json")["status"] == "ok"
 
 
@@ -242,7 +243,7 @@ def test_baseline_update_prints_diff(smoke_results, tmp_path, capsys):
     base = tmp_path / "b"
     assert main(["baseline", "update", str(smoke_results), "--baselines", str(base)]) == 0
     assert "new baseline" in capsys.readouterr().out
-    assert len(list((base / "smoke").glob("*.json"))) == 8
+    assert len(list((base / "smoke").glob("*.json"))) == 12
     assert main(["baseline", "update", str(smoke_results), "--baselines", str(base), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "unchanged" in out and "dry run" in out
