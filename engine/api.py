@@ -6,36 +6,120 @@ methods (`logits`, `generate`, and the `tap` argument).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from engine.model import KVCache, Transformer
 from engine.numerics import Numerics, QuantObserver
-from engine.recipe import Recipe, load_recipe
+from engine.parallel import ParallelConfig, ParallelError  # noqa: F401 (ParallelError: re-exported for the harness)
+from engine.recipe import Recipe, load_recipe, storage_bits
 
-BACKENDS = ("cpu-emulated", "cuda-emulated")
+BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
+
+
+def make_numerics(recipe: Recipe, backend: str, **kernel_options) -> Numerics:
+    """The dispatch object of a backend: the emulation, or `NativeNumerics` for `cuda-native`.
+
+    Kernel options (`small_m`, `attn_block`) only mean something to native kernels; the
+    emulation computes the same math whatever the tiling, so it ignores them.
+    """
+    unknown = set(kernel_options) - {"small_m", "attn_block", "legacy_blockwise"}
+    if unknown:
+        raise ValueError(f"unknown kernel options {sorted(unknown)}; known: small_m, attn_block, legacy_blockwise")
+    if backend == "cuda-native":
+        from engine.native import NativeNumerics
+
+        return NativeNumerics(recipe, **kernel_options)
+    return Numerics(recipe)
 
 
 class Engine:
     """A `Transformer` paired with a recipe: weights prepared once, then served.
 
-    `backend` is `cpu-emulated` or `cuda-emulated` (the same bit-exact
-    emulation on either device); the model is moved to the backend's device.
+    `backend`: `cpu-emulated` / `cuda-emulated` (the same bit-exact
+    emulation on either device) or `cuda-native` (real FP8 kernels,
+    `engine.native`); the model is moved to the backend's device.
+    `kernel_options` go to the native backend (`small_m`, `attn_block`).
+    `parallel` (tp / ep > 1) shards the model over the process group `group`
+    (default: the whole world), see `engine.parallel`; `cfg` stays the whole
+    model's config.
     """
 
-    def __init__(self, model: Transformer, recipe: Recipe | str, backend: str = "cpu-emulated"):
+    def __init__(self, model: Transformer, recipe: Recipe | str, backend: str = "cpu-emulated",
+                 parallel: ParallelConfig | None = None, group=None, **kernel_options):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend '{backend}'; available: {BACKENDS}")
-        if backend == "cuda-emulated" and not torch.cuda.is_available():
-            raise RuntimeError("backend 'cuda-emulated' needs a CUDA GPU; none is visible (use cpu-emulated)")
+        if backend.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"backend '{backend}' needs a CUDA GPU; none is visible (use cpu-emulated)")
         self.backend = backend
         self.device = torch.device("cuda" if backend.startswith("cuda") else "cpu")
         self.model = model if model.device == self.device else model.to(self.device)
         self.recipe = load_recipe(recipe)
-        self.nx = Numerics(self.recipe)
+        self.nx = make_numerics(self.recipe, backend, **kernel_options)
+        self.default_prefill_chunk: int | None = None  # serving config: chunked prefill for every `logits` call
+        self.kernel_options = dict(kernel_options)
+        self.hp_recipe: Recipe | None = None  # precision switching (enable_precision_switch)
+        self.hp_nx: Numerics | None = None
+        self.hp_weights: dict | None = None
+        self.parallel = parallel or ParallelConfig()
+        if self.parallel.size > 1:  # this rank's shard of the model (engine.parallel)
+            if backend == "cuda-native":
+                raise ParallelError(f"tp={self.parallel.tp}, ep={self.parallel.ep}: the cuda-native backend is not "
+                                    "tensor/expert parallel yet; use cuda-emulated (or tp=ep=1)")
+            from engine.parallel import ParallelContext
+
+            ctx = ParallelContext(self.parallel, self.model.cfg, group, self.device)
+            self.nx.parallel = ctx
+            self.model = ctx.local_model(self.model)
         self.weights = self.model.prepare(self.nx)
-        self.cfg = self.model.cfg
+        self.cfg = model.cfg
+
+    # ------------------------------------------------------- precision switching
+    def enable_precision_switch(self, modules: Sequence[str], high: str = "bf16") -> dict[str, float]:
+        """Precompile a high-precision variant of the sensitive `modules` (globs over module paths).
+
+        The seed article's runtime switch (§4.4): the matched modules get a
+        second, high-precision copy of their weights (every storage site of
+        those modules -- GEMM weights and inputs, KV cache, attention output --
+        in `high`, where the base recipe is lower); everything else is shared.
+        Afterwards `logits(..., high_precision=...)` picks the path per request.
+        Returns what the variant costs: extra weight bytes (as stored by the
+        recipe's formats) and how many tensors were duplicated.
+        """
+        from engine.weights import module_path, weight_site
+
+        storage = ("linear.weight", "linear.input", "linear.output", "moe.weight", "moe.input",
+                   "attn.q", "kv.k", "kv.v", "attn.out")
+        sites = {s: high for s in storage if storage_bits(self.recipe.spec(s)) < storage_bits(high)}
+        self.hp_recipe = self.recipe.with_overrides(f"{self.recipe.name}+hp", {g: sites for g in modules})
+        self.hp_nx = make_numerics(self.hp_recipe, self.backend, **self.kernel_options)
+        self.hp_weights = dict(self.weights)
+        extra, base, dup = 0.0, 0.0, 0
+        for name, w in self.model.weights.items():
+            site = weight_site(name)
+            if site not in ("linear.weight", "moe.weight"):
+                continue
+            mod = module_path(name)
+            lo, hi = self.recipe.spec(site, mod), self.hp_recipe.spec(site, mod)
+            base += w.numel() * storage_bits(lo) / 8
+            if lo != hi:
+                self.hp_weights[name] = self.hp_nx.prepare_weight(w, site, mod)
+                extra += w.numel() * storage_bits(hi) / 8
+                dup += 1
+        if dup == 0:
+            self.hp_recipe = self.hp_nx = self.hp_weights = None
+            raise ValueError(f"precision switch: no weight matches {list(modules)} with a format below '{high}'; "
+                             "module paths look like 'layers.3.mlp.down_proj' or 'layers.*.attn.o_proj'")
+        return {"extra_weight_bytes": extra, "base_weight_bytes": base, "switched_tensors": float(dup)}
+
+    def _path(self, high_precision: bool) -> tuple[Numerics, dict]:
+        """(numerics, weights) of the requested precision path."""
+        if not high_precision:
+            return self.nx, self.weights
+        if self.hp_nx is None:
+            raise RuntimeError("high_precision=True needs enable_precision_switch(modules) first")
+        return self.hp_nx, self.hp_weights
 
     @property
     def vocab_size(self) -> int:
@@ -49,39 +133,59 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,
-               observer: Optional[QuantObserver] = None, prefill_chunk: int | None = None) -> torch.Tensor:
+               observer: Optional[QuantObserver] = None, prefill_chunk: int | None = None,
+               high_precision: bool | Sequence[bool] | torch.Tensor = False) -> torch.Tensor:
         """Full-sequence logits (batch, t, vocab) in fp32; `tap(name, tensor)` sees every canonical tap.
 
         With `prefill_chunk`, the sequence is prefilled in chunks of that many tokens through the
         KV cache (chunked prefill, as a serving engine does): each chunk attends to the cached,
-        already-quantized keys/values of the earlier chunks.
+        already-quantized keys/values of the earlier chunks. `high_precision` (one flag, or one
+        per request) routes requests through the precompiled high-precision variant
+        (`enable_precision_switch`); a mixed batch runs as two sub-batches.
         """
-        self.nx.tap, self.nx.observer = tap, observer
         tokens = tokens.to(self.device)
+        flags = torch.as_tensor(high_precision, dtype=torch.bool).flatten().cpu()
+        if flags.numel() > 1:
+            if flags.numel() != tokens.shape[0]:
+                raise ValueError(f"high_precision has {flags.numel()} flags for a batch of {tokens.shape[0]}")
+            if bool(flags.all()) or not bool(flags.any()):
+                flags = flags[:1]
+            else:
+                out = torch.empty(tokens.shape[0], tokens.shape[1], self.cfg.vocab_size, device=self.device)
+                for want in (False, True):
+                    idx = torch.nonzero(flags == want).flatten().to(self.device)
+                    out[idx] = self.logits(tokens[idx], tap, observer, prefill_chunk, want)
+                return out
+        nx, weights = self._path(bool(flags[0]))
+        nx.tap, nx.observer = tap, observer
+        prefill_chunk = prefill_chunk or self.default_prefill_chunk
         try:
             if prefill_chunk is None or prefill_chunk >= tokens.shape[1]:
-                return self.model.forward(self.nx, self.weights, tokens)
-            cache = KVCache.empty(self.cfg, tokens.shape[0], tokens.shape[1], self.device)
-            parts = [self.model.forward(self.nx, self.weights, tokens[:, s:s + prefill_chunk], cache)
+                return self.model.forward(nx, weights, tokens)
+            cache = KVCache.empty(self.model.cfg, tokens.shape[0], tokens.shape[1], self.device)
+            parts = [self.model.forward(nx, weights, tokens[:, s:s + prefill_chunk], cache)
                      for s in range(0, tokens.shape[1], prefill_chunk)]
             return torch.cat(parts, dim=1)  # (batch, t, vocab)
         finally:
-            self.nx.tap, self.nx.observer = None, None
+            nx.tap, nx.observer = None, None
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
-                 return_logits: bool = False) -> list[int] | tuple[list[int], torch.Tensor]:
+                 return_logits: bool = False,
+                 high_precision: bool = False) -> list[int] | tuple[list[int], torch.Tensor]:
         """Greedy continuation of one prompt with the KV cache (prefill, then one token per step).
 
-        With `return_logits`, also returns the (new_tokens, vocab) logits of every step.
+        With `return_logits`, also returns the (new_tokens, vocab) logits of every step;
+        `high_precision` runs the request on the precompiled high-precision path.
         """
+        nx, weights = self._path(high_precision)
         max_tokens = min(len(prompt) + max_new_tokens, self.cfg.max_position)
-        cache = KVCache.empty(self.cfg, 1, max_tokens, self.device)
+        cache = KVCache.empty(self.model.cfg, 1, max_tokens, self.device)
         x = torch.tensor([prompt], device=self.device)
         out: list[int] = []
         steps = []
         while len(prompt) + len(out) < max_tokens:
-            logits = self.model.forward(self.nx, self.weights, x, cache)[:, -1]  # (1, vocab)
+            logits = self.model.forward(nx, weights, x, cache)[:, -1]  # (1, vocab)
             if return_logits:
                 steps.append(logits[0].float().cpu())
             nxt = int(logits.argmax(-1))

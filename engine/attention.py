@@ -106,6 +106,8 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     q = apply_rope(q.view(b, t, h, hd).transpose(1, 2), cos, sin)  # (batch, heads, t, hd)
     k = apply_rope(k.view(b, t, hkv, hd).transpose(1, 2), cos, sin)  # (batch, kv_heads, t, hd)
     v = v.view(b, t, hkv, hd).transpose(1, 2)  # (batch, kv_heads, t, hd)
+    if cache is not None and hasattr(cache, "attend"):  # paged runtime: the cache stores (in format) and attends
+        return _attn_output(nx, w, cache.attend(nx, i, q, k, v, tp + "attn", cfg.window(i)), p, tp)
     k = nx.kv_store(k, "kv.k", tp + "attn")
     v = nx.kv_store(v, "kv.v", tp + "attn")
     if cache is not None:

@@ -61,8 +61,11 @@ class Transformer:
     """The engine's model: fp32 master weights + the forward pass through `Numerics`.
 
     `weights` maps HF names to tensors (canonicalised, then checked against
-    the config). The model holds no recipe; `engine.api.Engine` pairs it with
-    one and prepares weights.
+    the config). fp32 tensors are kept as they are, not copied (`.float()`
+    returns an fp32 tensor itself; stacked experts become views), so the master
+    weights share storage with the loader's tensors and the FP32 reference's
+    parameters (README "Memory"). The model holds no recipe;
+    `engine.api.Engine` pairs it with one and prepares weights.
     """
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: str = "<weights>"):
@@ -90,9 +93,19 @@ class Transformer:
         return self.weights["model.embed_tokens.weight"].device
 
     def prepare(self, nx: Numerics) -> dict[str, torch.Tensor]:
-        """Quantize every weight into its recipe format once (dequantized values, fp32); see `weight_site`."""
+        """Quantize every weight into its recipe format once (dequantized values, fp32); see `weight_site`.
+
+        Sites the recipe keeps in fp32 (all of them under `fp32`) return the master tensor itself, no copy.
+
+        Under tensor / expert parallelism (`nx.parallel`) each weight is quantized whole, then
+        this rank keeps its shard (as a pre-quantized checkpoint is sharded); other ranks'
+        routed experts are skipped.
+        """
+        par = nx.parallel
         out: dict[str, torch.Tensor] = {}
         for name, w in self.weights.items():
+            if par is not None and not par.holds(name):
+                continue
             site = weight_site(name)
             if site is None:
                 out[name] = w
@@ -100,6 +113,8 @@ class Transformer:
                 out[name] = nx.prepare_weight(w, site, site)
             else:
                 out[name] = nx.prepare_weight(w, site, module_path(name))
+            if par is not None:
+                out[name] = par.shard_weight(name, out[name])
         return out
 
     def forward(self, nx: Numerics, w: Mapping[str, torch.Tensor], tokens: torch.Tensor,
@@ -107,9 +122,14 @@ class Transformer:
         """Logits (batch, t, vocab) fp32 for `tokens` (batch, t); appends to `cache` when given."""
         cfg = self.cfg
         b, t = tokens.shape
-        start = cache.length if cache is not None else 0
-        pos = torch.arange(start, start + t, device=tokens.device)
-        cos, sin = rope_tables(self.inv_freq, pos, self.rope_factor)  # (t, rope_dim) each
+        if cache is not None and hasattr(cache, "positions"):  # paged runtime: each sequence at its own position
+            pos = cache.positions(t)  # (batch, t) on the device
+            cos, sin = rope_tables(self.inv_freq, pos, self.rope_factor)  # (batch, t, rope_dim)
+            cos, sin = cos[:, None], sin[:, None]  # (batch, 1, t, rope_dim): broadcast over heads
+        else:
+            start = cache.length if cache is not None else 0
+            pos = torch.arange(start, start + t, device=tokens.device)
+            cos, sin = rope_tables(self.inv_freq, pos, self.rope_factor)  # (t, rope_dim) each
 
         x = F.embedding(tokens, w["model.embed_tokens.weight"])  # (batch, t, d)
         x = nx.round(x, "residual", "embed")

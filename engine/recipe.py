@@ -237,6 +237,21 @@ class Recipe:
                       overrides=self.overrides, scales=merged, source=f"derived from {self.name}")
 
 
+def storage_bits(spec: str) -> float:
+    """Bits per element a site's format costs in memory, scales included (e.g. e4m3:1x128 -> 8.25)."""
+    from engine.formats import parse_spec
+
+    if spec == "fp32":
+        return 32.0
+    if spec in ("bf16", "fp16"):
+        return 16.0
+    p = parse_spec(spec.replace(":head", ":tensor"))
+    elem = {"e4m3": 8, "e5m2": 8, "e2m1": 4, "int8": 8}.get(p.elem, 8)
+    group = (p.tile[0] * p.tile[1]) if p.tile else 0
+    scale_bits = {"fp32": 32, "e8m0": 8, "e4m3": 8}.get(p.scale_fmt or "fp32", 32)
+    return elem + (scale_bits / group if group else 0.0)
+
+
 def named_recipes() -> list[str]:
     """Names of the recipes shipped in `engine/recipes/`."""
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))

@@ -121,8 +121,8 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 def rope_tables(inv_freq: torch.Tensor, pos: torch.Tensor, attention_factor: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (t, rope_dim) for absolute positions `pos` (t,)."""
-    freqs = pos.float()[:, None] * inv_freq[None, :]  # (t, rope_dim/2)
+    """cos, sin tables (..., rope_dim) for absolute positions `pos` (t,) or (batch, t)."""
+    freqs = pos.float()[..., None] * inv_freq  # (..., rope_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (t, rope_dim)
     cos, sin = emb.cos(), emb.sin()
     if attention_factor != 1.0:

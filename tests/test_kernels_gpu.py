@@ -55,16 +55,17 @@ def test_act_quant_bit_exact(kind, shape):
         assert torch.equal(s.view(torch.int32), rs.view(torch.int32)), f"scale bits differ ({kind}, {shape}, {dtype})"
 
 
+@pytest.mark.parametrize("single_pass", [True, False])
 @pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rmsnorm_quant(kind, shape):
+def test_rmsnorm_quant(kind, shape, single_pass):
     """Fused RMSNorm+quant: the quantization of the kernel's own normed values is bit-exact;
     the normed values are within a few ulp of torch's fp32 RMSNorm."""
     from engine.kernels.quant import act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
 
     x = _inputs(*shape, kind).to(torch.bfloat16).contiguous()
     w = (0.5 + torch.rand(shape[1], device="cuda")).contiguous()
-    d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True)
+    d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True, single_pass=single_pass)
     rd, rs = act_quant_reference(h)
     assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
     _, _, href = rmsnorm_quant_reference(x, w, 1e-5)

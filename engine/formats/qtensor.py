@@ -201,7 +201,7 @@ def _counts(x2: torch.Tensor, vals: torch.Tensor, overflow: torch.Tensor,
     """0-d count tensors for :meth:`QTensor.stats` (no host sync)."""
     finite_nz = torch.isfinite(x2) & (x2 != 0)
     c = {
-        "n": torch.tensor(x2.numel(), device=x2.device),
+        "n": torch.full((), x2.numel(), dtype=torch.int64, device=x2.device),
         "saturated": overflow.sum(),
         "underflow": (finite_nz & (vals == 0)).sum(),
         "nan": torch.isnan(x2).sum(),

@@ -1,0 +1,277 @@
+"""End-to-end decode on the GPU: the engine's cuda-native FP8 and bf16 paths vs transformers bf16, same run.
+
+    python benchmarks/bench_e2e.py [--layers 32] [--batches 1,8,64] [--steps 16] [--moe]
+
+A Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads / 8 KV heads,
+FFN 14336, vocab 128256) with random weights, built directly on the GPU; with
+`--moe`, a Qwen3-30B-A3B-shaped MoE (48 layers, 128 experts, top-8, FFN 768;
+use `--layers` to shorten it). For each engine and batch size: prefill a
+128-token prompt, then time `steps` decode steps (CUDA events, median per
+step) and report tokens/s, the bytes one step must read (weights in their
+storage format + the KV cache so far) and the fraction of the HBM copy
+bandwidth measured in the same run that this implies (the roofline).
+Memory: the prepared weights' storage bytes and the KV cache bytes of each
+path. transformers (bf16, eager, its own KV cache) runs the same shapes in
+the same process as the outside reference point.
+
+Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+             "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def copy_bandwidth() -> float:
+    """HBM copy bandwidth (read + write) in bytes/s, measured now (the roofline's ceiling)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        torch.cuda.synchronize()
+        t.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * (1 << 30) / statistics.median(t)
+
+
+def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights on the GPU for every tensor the config expects (std 1/sqrt(fan_in); norms ~1)."""
+    from engine.weights import expected_shapes
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) >= 2:
+            out[name] = torch.randn(shape, device="cuda", generator=g) / shape[-1] ** 0.5
+        else:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, device="cuda", generator=g)
+    return out
+
+
+def weight_bytes(engine) -> int:
+    """Storage bytes of the engine's prepared GEMM weights + embeddings/head in their recipe format."""
+    from engine.native import NativeWeight
+    from engine.recipe import storage_bits
+
+    total = 0
+    for name, w in engine.weights.items():
+        if isinstance(w, NativeWeight):
+            total += w.storage_bytes()
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            site = "embed" if name.startswith("model.") else "lm_head"
+            total += int(w.numel() * storage_bits(engine.recipe.spec(site, site)) / 8)
+        else:
+            total += w.numel() * w.element_size()
+    return total
+
+
+def kv_bytes_per_token(cfg, recipe) -> float:
+    """KV cache bytes per token (all layers) in the recipe's K/V storage formats."""
+    from engine.recipe import storage_bits
+
+    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (storage_bits(recipe.spec("kv.k")) +
+                                                                storage_bits(recipe.spec("kv.v"))) / 8
+
+
+def time_decode(step, prefill, steps: int) -> float:
+    """Median seconds per decode step after one prefill (CUDA events)."""
+    prefill()
+    step()  # warm-up: first-call kernel compilation
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False) -> dict:
+    """Decode timing of the engine's cuda-native path for one recipe and batch size.
+
+    runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
+    runtime=True: `engine.runtime.PagedRuntime` (paged KV in the recipe's format, CUDA-graph decode).
+    """
+    from engine.api import Engine
+    from engine.model import KVCache
+
+    eng = Engine(model, recipe, backend="cuda-native")
+    cfg = model.cfg
+    toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
+    state = {}
+    if runtime:
+        from engine.runtime import PagedRuntime, ServingConfig
+
+        rt = PagedRuntime(eng, ServingConfig(kv_block_size=64, max_batch=batch, max_tokens=prompt + steps + 8,
+                                             cuda_graphs=True))
+        ids = torch.arange(batch, device="cuda")
+
+        def prefill():
+            for i in range(batch):
+                rt.prefill(i, toks[i].tolist())
+            state["start"] = torch.full((batch,), prompt, device="cuda")
+
+        def step():
+            rt._decode(toks[:, -1:], ids, state["start"])
+    else:
+        def prefill():
+            state["cache"] = KVCache.empty(cfg, batch, prompt + steps + 2, torch.device("cuda"))
+            model.forward(eng.nx, eng.weights, toks, state["cache"])
+
+        def step():
+            model.forward(eng.nx, eng.weights, toks[:, -1:], state["cache"])
+
+    with torch.no_grad():
+        t = time_decode(step, prefill, steps)
+    wb = weight_bytes(eng)
+    kvb = kv_bytes_per_token(cfg, eng.recipe) * batch * (prompt + steps // 2)
+    out = {"engine": f"{'runtime' if runtime else 'native'}/{recipe}", "batch": batch, "step_s": t, "tok_s": batch / t,
+           "weight_bytes": wb, "kv_bytes": kvb, "bytes_per_step": wb + kvb,
+           "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")}}
+    del eng, state
+    if runtime:
+        del rt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dict:
+    """Decode timing of transformers bf16 (eager attention, its dynamic KV cache), same shapes."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**hf_cfg)
+    cfg._attn_implementation = "eager"
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    toks = torch.randint(0, hf_cfg["vocab_size"], (batch, prompt), device="cuda")
+    state = {}
+
+    def prefill():
+        out = model(toks, use_cache=True)
+        state["pkv"] = out.past_key_values
+
+    def step():
+        out = model(toks[:, -1:], past_key_values=state["pkv"], use_cache=True)
+        state["pkv"] = out.past_key_values
+
+    with torch.no_grad():
+        t = time_decode(step, prefill, steps)
+    wb = sum(p.numel() * p.element_size() for p in model.parameters())
+    kvb = hf_cfg["num_hidden_layers"] * hf_cfg["num_key_value_heads"] * (
+        hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]) * 2 * 2 * batch * (
+        prompt + steps // 2)
+    del model, state
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"engine": "transformers/bf16", "batch": batch, "step_s": t, "tok_s": batch / t,
+            "weight_bytes": wb, "kv_bytes": kvb, "bytes_per_step": wb + kvb}
+
+
+def main() -> None:
+    """Run the matrix and print achieved vs the measured roofline."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (default: the real model's)")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--recipes", default="bf16,fp8-block")
+    ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shaped MoE instead of Llama-3-8B")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--runtime", action="store_true", help="also time the paged runtime with CUDA-graph decode")
+    args = ap.parse_args()
+    from engine.config import ModelConfig
+    from engine.model import Transformer
+    from evalharness.provenance import hardware_fingerprint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf_cfg = dict(QWEN3_MOE if args.moe else LLAMA3_8B)
+    if args.layers:
+        hf_cfg["num_hidden_layers"] = args.layers
+    cfg = ModelConfig.from_hf(hf_cfg, where="bench_e2e")
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    fp = hardware_fingerprint("cuda")
+    say(f"hardware: {json.dumps(fp)}")
+    bw = copy_bandwidth()
+    say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
+    say(f"model: {'Qwen3-30B-A3B' if args.moe else 'Llama-3-8B'}-shaped, {cfg.num_layers} layers, random weights")
+    t0 = time.time()
+    model = Transformer(cfg, random_weights(cfg))
+    say(f"built fp32 master weights on the GPU in {time.time() - t0:.1f}s")
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for recipe in args.recipes.split(","):
+            for runtime in (False, True) if args.runtime else (False,):
+                try:
+                    rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime))
+                except Exception as exc:  # one failing configuration must not hide the others
+                    say(f"{'runtime' if runtime else 'native'}/{recipe} batch {batch}: FAILED "
+                        f"{type(exc).__name__}: {exc}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_transformers:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            try:
+                rows.append(bench_transformers(hf_cfg, batch, args.prompt, args.steps))
+            except Exception as exc:
+                say(f"transformers batch {batch}: FAILED {type(exc).__name__}: {exc}")
+    say(f"{'engine':22s} {'batch':>5s} {'ms/step':>9s} {'tok/s':>9s} {'GB/step':>8s} {'roofline':>8s}  notes")
+    by = {(r['engine'], r['batch']): r for r in rows}
+    for r in rows:
+        r["roofline_frac"] = r["bytes_per_step"] / r["step_s"] / bw
+        note = ""
+        mode = r["engine"].split("/")[0]
+        bf = by.get((f"{mode}/bf16", r["batch"])) if mode != "transformers" else None
+        if not r["engine"].endswith("/bf16") and bf:
+            note = f"{bf['step_s'] / r['step_s']:.2f}x vs {mode} bf16; weights+KV {r['bytes_per_step'] / bf['bytes_per_step']:.2f}x"
+        if "coverage" in r:
+            note += f" native {r['coverage']}"
+        say(f"{r['engine']:22s} {r['batch']:5d} {r['step_s'] * 1e3:9.2f} {r['tok_s']:9.1f} "
+            f"{r['bytes_per_step'] / 1e9:8.2f} {r['roofline_frac']:8.1%}  {note}")
+    out = os.environ.get("OUT")
+    if out:
+        name = "bench_e2e_moe" if args.moe else "bench_e2e"
+        Path(out, f"{name}.json").write_text(json.dumps({"hardware": fp, "copy_bw": bw, "rows": rows}, indent=1))
+        Path(out, f"{name}.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

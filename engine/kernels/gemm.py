@@ -1,0 +1,766 @@
+"""GEMMs on quantized operands: FP8 block scales (1x128 x 128x128), FP8 per-tensor, MX / NVFP4 weights.
+
+Every wrapper computes ``out = x @ w.T (+ bias)`` for x (M, K) and w (N, K) (x may carry leading
+dims: (..., K) -> (..., N)) with fp32 accumulation, and has a pure-torch ``*_reference`` beside it
+that dequantizes both operands to fp32 and multiplies them (in float64, rounded to fp32, so no
+TF32 setting can leak into the reference).
+
+Operand layouts are those of :func:`engine.formats.quantize` (value = data * scale):
+
+==================  =======================================  ===========================================
+spec                data                                     scale
+==================  =======================================  ===========================================
+``e4m3:1x128`` (x)  (M, K) float8_e4m3fn                     (M, ceil(K/128)) fp32
+``e4m3:128x128``    (N, K) float8_e4m3fn                     (ceil(N/128), ceil(K/128)) fp32
+``e4m3:tensor``     (M, K) / (N, K) float8_e4m3fn            0-d fp32
+``mxfp8`` (x)       (M, K) float8_e4m3fn                     (M, ceil(K/32)) fp32 (powers of two)
+``mxfp8`` (w)       (N, K) float8_e4m3fn                     (N, ceil(K/32)) fp32 -> E8M0 codes at prep
+``mxfp4`` (w)       (N, K) uint8, E2M1 code in the low       (N, ceil(K/32)) fp32 -> E8M0 codes at prep
+                    nibble (one per byte) -> packed at prep
+``nvfp4`` (w)       (N, K) uint8 E2M1 codes -> packed        (N, ceil(K/16)) fp32 (E4M3 values) -> E4M3
+                                                             bytes at prep; 0-d fp32 ``tensor_scale``
+==================  =======================================  ===========================================
+
+Paths:
+
+* :func:`fp8_block_linear`: M <= ``small_m`` -> the Triton split-K "swap-AB" kernel
+  (``out^T = W @ x^T`` so the big N dimension fills the MMA rows; each 128-wide K group is one
+  FP8 tensor-core dot promoted to fp32 and scaled by ``w_scale * x_scale``, DeepSeek-V3 style);
+  larger M -> cuBLAS blockwise through ``torch.nn.functional.scaled_mm`` with the padding rules of
+  H200_FACTS (M to a multiple of 4; K, N to multiples of 16; the weight scale padded to
+  ``round_up(K/128, 4)`` rows with stride ``(1, that)``), falling back to the same Triton kernel
+  with large tiles when ``scaled_mm`` is missing or refuses the shape.
+* :func:`fp8_tensor_linear`: the same Triton kernel with broadcast (stride-0) scales for small M,
+  cuBLAS tensor-wise FP8 otherwise.
+* :func:`mx_linear`: MXFP8 x MXFP8, and 16-bit activations x MXFP8 / MXFP4 / NVFP4 weights: a
+  dequant-in-kernel Triton GEMM (sm_90 cuBLAS has no MX / NVFP4 GEMM). Weights are repacked once
+  by :func:`prepare_mx_weight` (two E2M1 codes per byte, 1-byte scale codes); activations are
+  used as stored. Elements are decoded and multiplied by their block scale into bf16 (exact for
+  E2M1 x E8M0, E4M3 x E8M0 and E2M1 x E4M3 products, except blocks so tiny (< ~2**-118) that the
+  product underflows bf16), then multiplied on bf16 tensor cores with fp32 accumulation; 16-bit /
+  fp32 activations are rounded to bf16 in the kernel (w4a16); the NVFP4 tensor scale is applied
+  to the fp32 accumulator.
+* :func:`legacy_scaled_mm_blockwise`: the OLD ``torch._scaled_mm`` call with unpadded scales,
+  kept only so a test can reproduce its silent wrong results (see its docstring).
+
+Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (no
+atomics), so a given (shape, device) always produces the same bits. The number of splits is a
+function of the shape and the SM count only. Decode calls on weights of >= 2**24 elements autotune
+the pipeline depth (3 configs, ~0.1 s) on their first call per shape: warm up before capturing a
+CUDA graph. No wrapper synchronizes the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+GROUP = 128  # edge of the 1x128 / 128x128 scale blocks
+MX_CHUNK = 128  # K columns per MX kernel step; prepared MX weights are padded to a multiple of it
+FP8 = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_SCALED_MM = getattr(F, "scaled_mm", None)  # torch >= 2.10: explicit ScalingType API
+_SCALING = getattr(F, "ScalingType", None)
+
+
+# ============================================================================ kernels
+@triton.jit
+def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
+              USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr):
+    """Store acc (BN, BM) = a tile of out^T: raw fp32 partial sums to part[pid_s] (split-K), or
+    acc * tensor_scale + bias in fp32, cast to out's dtype, into out (M, N)."""
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    if USE_PART:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + idx, acc, mask=mask)
+    else:
+        if HAS_TS:
+            acc = acc * tl.load(ts_ptr)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# M, N and the scale strides are not value-specialized: fewer compiled variants; K and the row
+# strides are (16-byte divisibility enables vector loads).
+@triton.jit(do_not_specialize=["M", "N", "groups_per_split", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
+def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr,
+                           M, N, K, groups_per_split,
+                           stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
+                           BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
+    """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
+    per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
+    one weight-scale row serves the whole tile. Per-tensor scales use stride 0."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
+    xs_rows = xs_ptr + offs_m * stride_xsm
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        k = g * 128 + offs_k
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        ws = tl.load(ws_row + g * stride_wsg)
+        xs = tl.load(xs_rows + g * stride_xsg, mask=m_ok, other=0.0)
+        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+    _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
+              USE_PART, HAS_BIAS, False)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """E2M1 codes (int32, 0..15: sign, 2 exponent bits, 1 mantissa bit) -> fp32, via the fp32 bits."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))  # e==0: 0 or 0.5
+    bits = bits | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_to_f32(code):
+    """E8M0 codes (int32, 0..255) -> 2**(code-127) in fp32 (code 0: the subnormal 2**-127; 255: NaN)."""
+    bits = tl.where(code == 0, 0x00400000, code << 23)
+    bits = tl.where(code == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr):
+    """Weight elements wv (BN, 64) fp32 times their block scales (gathered per column), as bf16."""
+    s = tl.load(ws_rows + (kk // W_SB)[None, :], mask=n_ok[:, None], other=0.0)
+    if W_E8M0:
+        sf = _e8m0_to_f32(s.to(tl.int32))
+    else:
+        sf = s.to(tl.float32)
+    return (wv * sf).to(tl.bfloat16)
+
+
+@triton.jit
+def _mx_act(x_rows, xs_rows, kk, m_ok, K, X_SCALED: tl.constexpr):
+    """Activation columns kk (64,) of the BM rows as bf16: MX fp8 elements times their 1x32 fp32
+    scales, or the 16/32-bit input rounded to bf16."""
+    ok = m_ok[:, None] & (kk < K)[None, :]
+    xv = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+    if X_SCALED:
+        xv = xv * tl.load(xs_rows + (kk // 32)[None, :], mask=ok, other=0.0)
+    return xv.to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M", "N", "K", "n_chunks", "chunks_per_split", "stride_xsm", "stride_wsn"])
+def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bias_ptr,
+                    M, N, K, n_chunks, chunks_per_split, stride_xm, stride_xsm, stride_wn, stride_wsn,
+                    BM: tl.constexpr, BN: tl.constexpr, X_SCALED: tl.constexpr, W_FP4: tl.constexpr,
+                    W_SB: tl.constexpr, W_E8M0: tl.constexpr, HAS_TS: tl.constexpr,
+                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
+    (packed FP4: low / high nibbles of the same 64 bytes; FP8: two loads) are decoded, scaled
+    into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    h = tl.arange(0, 64)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    ws_rows = ws_ptr + offs_n.to(tl.int64)[:, None] * stride_wsn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    xs_rows = xs_ptr + offs_m.to(tl.int64)[:, None] * stride_xsm
+    c0 = pid_s * chunks_per_split
+    c1 = tl.minimum(c0 + chunks_per_split, n_chunks)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for c in range(c0, c1):
+        k_lo = c * 128 + h
+        k_hi = k_lo + 64
+        if W_FP4:
+            b = tl.load(w_rows + (c * 64 + h)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+            w_lo = _e2m1_to_f32(b & 15)
+            w_hi = _e2m1_to_f32(b >> 4)
+        else:
+            w_lo = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w_hi = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+        w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0)
+        acc = tl.dot(w_lo, tl.trans(_mx_act(x_rows, xs_rows, k_lo, m_ok, K, X_SCALED)), acc)
+        w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0)
+        acc = tl.dot(w_hi, tl.trans(_mx_act(x_rows, xs_rows, k_hi, m_ok, K, X_SCALED)), acc)
+    _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
+              USE_PART, HAS_BIAS, HAS_TS)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
+                          HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = (sum over s = 0..S-1, in that order, of part[s]) * tensor_scale + bias, cast to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_TS:
+        acc = acc * tl.load(ts_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _bench_quick(fn, quantiles):
+    """Short autotuning benchmark (the default spends ~125 ms per config)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+# Decode (M <= 64) tiles on weights of >= TUNE_MIN_WEIGHT elements: only the pipeline depth is
+# tuned (it does not change the summation order); smaller weights use the fixed _tiles config.
+TUNE_MIN_WEIGHT = 1 << 24
+_fp8_block_gemm_tuned = triton.autotune(
+    configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
+    key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
+
+
+# ============================================================================ launch helpers
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    """a rounded up to a multiple of b."""
+    return _cdiv(a, b) * b
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: Optional[int]) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter, to exercise split-K)."""
+    if device_type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+
+
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) by M: decode tiles (BM the next power of two >= M, >= 16:
+    the MMA's N side) up to M = 64, large square tiles above."""
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def _split_k(tiles: int, steps: int, sms: int) -> int:
+    """K splits: the smallest power of two that gives >= 2 programs per SM, keeping >= 4 K steps
+    per split and at most 16 splits (a deterministic function of the shape and the SM count)."""
+    s = 1
+    while tiles * s < 2 * sms and steps // (2 * s) >= 4 and s < 16:
+        s *= 2
+    return s
+
+
+def _plan_split(m: int, n: int, steps: int, bm: int, bn: int, device: torch.device,
+                split_k: Optional[int]) -> tuple[int, int]:
+    """(splits, K steps per split), with no empty split."""
+    if split_k is None:
+        tiles = _cdiv(n, bn) * _cdiv(m, bm)
+        split_k = _split_k(tiles, steps, _sm_count(device.type, device.index)) if m <= 64 else 1
+    per = _cdiv(steps, max(1, min(split_k, steps)))
+    return _cdiv(steps, per), per
+
+
+def _reduce(part: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
+            ts: Optional[torch.Tensor]) -> None:
+    """Sum the split-K partials part (S, M, N) into out (M, N) (+ tensor scale, + bias)."""
+    s, m, n = part.shape
+    block = 1024
+    _splitk_reduce_kernel[(_cdiv(m * n, block),)](
+        part, out, bias if bias is not None else out, ts if ts is not None else part, m * n, n, s,
+        HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, num_warps=4)
+
+
+def _bad(msg: str) -> ValueError:
+    """A ValueError for bad GEMM operands."""
+    return ValueError(f"engine.kernels.gemm: {msg}")
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """(..., K) -> (M, K) with unit stride along K."""
+    if x.dim() < 1:
+        raise _bad(f"{name} must have at least 1 dim (..., K), got a 0-d tensor")
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
+
+
+def _check_out(out_dtype: torch.dtype, bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """Validate out_dtype and bias (N,); return the contiguous bias."""
+    if out_dtype not in OUT_DTYPES:
+        raise _bad(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is None:
+        return None
+    if bias.shape != (n,):
+        raise _bad(f"bias must have shape ({n},) (one per output column), got {tuple(bias.shape)}")
+    return bias.contiguous()
+
+
+def _check_fp8(t: torch.Tensor, name: str, spec: str) -> None:
+    """FP8 E4M3 data check."""
+    if t.dtype != FP8:
+        raise _bad(f"{name} must be torch.float8_e4m3fn data (quantize with '{spec}'), got {t.dtype}")
+
+
+def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
+                ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
+                out_dtype: torch.dtype, split_k: Optional[int]) -> torch.Tensor:
+    """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        return out if bias is None else out.add_(bias.to(out_dtype))
+    bm, bn, warps, stages = _tiles(m)
+    splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, split_k)
+    part = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if splits > 1 else out
+    grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
+    args = (x, xs, w, ws, out, part, bias if bias is not None else out, m, n, k, per,
+            x.stride(0), w.stride(0), *xs_strides, *ws_strides)
+    meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and splits == 1)
+    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT:
+        _fp8_block_gemm_tuned[grid](*args, **meta)
+    else:
+        _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _reduce(part, out, bias, None)
+    return out
+
+
+# ============================================================================ FP8 block (1x128 x 128x128)
+def _block_operands(x_data, x_scale, w_data, w_scale):
+    """Validate block-scaled operands; return x (M, K), x_scale (M, Kb), w (N, K), w_scale (Nb, Kb), lead dims."""
+    lead = tuple(x_data.shape[:-1])
+    x = _rows(x_data, "x_data")
+    m, k = x.shape
+    kb = _cdiv(k, GROUP)
+    _check_fp8(x, "x_data", "e4m3:1x128")
+    _check_fp8(w_data, "w_data", "e4m3:128x128")
+    if w_data.dim() != 2 or w_data.shape[1] != k:
+        raise _bad(f"w_data must be (N, K={k}) to match x_data (..., {k}), got {tuple(w_data.shape)}")
+    n = w_data.shape[0]
+    ok = x_scale.dim() >= 1 and x_scale.shape[-1] == kb and x_scale.numel() == m * kb
+    xs = x_scale.reshape(m, kb) if ok else None
+    if xs is None or x_scale.dtype != torch.float32:
+        raise _bad(f"x_scale must be fp32 of shape (..., ceil(K/128)={kb}) for x_data {tuple(x_data.shape)} "
+                   f"(the e4m3:1x128 layout), got {tuple(x_scale.shape)} {x_scale.dtype}")
+    nb = _cdiv(n, GROUP)
+    if tuple(w_scale.shape) != (nb, kb) or w_scale.dtype != torch.float32:
+        raise _bad(f"w_scale must be fp32 (ceil(N/128), ceil(K/128)) = ({nb}, {kb}) for w_data {tuple(w_data.shape)} "
+                   f"(the e4m3:128x128 layout), got {tuple(w_scale.shape)} {w_scale.dtype}")
+    return x, xs.contiguous(), w_data.contiguous(), w_scale.contiguous(), lead
+
+
+def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                          w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                          out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None) -> torch.Tensor:
+    """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
+
+    x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
+    ceil(K/128)); bias (N,) or None -> (..., N) in out_dtype. ``split_k`` overrides the heuristic
+    number of K splits (benchmarks / tests).
+    """
+    x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
+    bias = _check_out(out_dtype, bias, w.shape[0])
+    out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
+                      bias, out_dtype, split_k)
+    return out.reshape(*lead, w.shape[0])
+
+
+def has_scaled_mm() -> bool:
+    """Whether this torch has ``torch.nn.functional.scaled_mm`` with ``ScalingType`` (torch >= 2.10)."""
+    return _SCALED_MM is not None and _SCALING is not None
+
+
+def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t (r, c) zero-padded to (rows, cols) (t itself when already that shape)."""
+    if tuple(t.shape) == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), device=t.device, dtype=t.dtype)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                        w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """cuBLAS blockwise FP8 (1x128 activations x 128x128 weights) via ``F.scaled_mm``, padded.
+
+    Padding (H200_FACTS): M to a multiple of 4 (cuBLAS blockwise refuses other M), K and N to
+    multiples of 16 (zero data; the scale grids do not change), activation scales (Mp, Kb) with
+    strides (1, Mp), weight scales padded to (round_up(Kb, 4), Nb) with strides (1, round_up(Kb, 4))
+    -- without that padding the old API reads the wrong scales (see legacy_scaled_mm_blockwise).
+    Shapes as :func:`fp8_block_gemm_triton`. Raises RuntimeError (or what torch raises) when
+    ``F.scaled_mm`` is missing or refuses the call; :func:`fp8_block_linear` catches that.
+    """
+    if not has_scaled_mm():
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm/ScalingType")
+    x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
+    bias = _check_out(out_dtype, bias, w.shape[0])
+    m, k = x.shape
+    n = w.shape[0]
+    kb, nb = _cdiv(k, GROUP), _cdiv(n, GROUP)
+    mp, kp, np_ = _round_up(max(m, 1), 4), _round_up(k, 16), _round_up(n, 16)
+    xp, wp = _pad2(x, mp, kp), _pad2(w, np_, kp)
+    sa = torch.ones((kb, mp), device=x.device, dtype=torch.float32)
+    sa[:, :m] = xs.t()
+    kb4 = _round_up(kb, 4)
+    sb = torch.ones((nb, kb4), device=x.device, dtype=torch.float32)
+    sb[:, :kb] = ws
+    out = _SCALED_MM(xp, wp.t(), sa.t(), _SCALING.BlockWise1x128, sb.t(), _SCALING.BlockWise128x128,
+                     output_dtype=out_dtype)
+    if (mp, np_) != (m, n):
+        out = out[:m, :n].contiguous()
+    if bias is not None:
+        out = out.add_(bias.to(out_dtype))
+    return out.reshape(*lead, n)
+
+
+def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                     small_m: int = 64) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for e4m3:1x128 activations and e4m3:128x128 weights.
+
+    Args:
+        x_data: (M, K) (or (..., K)) float8_e4m3fn; x_scale: (M, ceil(K/128)) fp32.
+        w_data: (N, K) float8_e4m3fn; w_scale: (ceil(N/128), ceil(K/128)) fp32.
+        bias: (N,) or None, added in fp32 (Triton) or to the rounded output (cuBLAS).
+        out_dtype: bf16 / fp16 / fp32.
+        small_m: M <= small_m runs the Triton decode kernel (cuBLAS FP8 is no faster than bf16
+            there); larger M runs cuBLAS blockwise (:func:`scaled_mm_blockwise`), or the Triton
+            kernel with large tiles when cuBLAS is missing / refuses (with a warning).
+
+    Returns:
+        (M, N) (or (..., N)) in out_dtype.
+    """
+    x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
+    bias = _check_out(out_dtype, bias, w.shape[0])
+    if x.shape[0] > small_m and has_scaled_mm() and x.is_cuda:
+        try:
+            return scaled_mm_blockwise(x, xs, w, ws, bias, out_dtype).reshape(*lead, w.shape[0])
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            warnings.warn(f"fp8_block_linear: cuBLAS blockwise scaled_mm refused (M, K, N) = "
+                          f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
+                          "using the Triton blockwise GEMM", RuntimeWarning, stacklevel=2)
+    out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
+                      bias, out_dtype, None)
+    return out.reshape(*lead, w.shape[0])
+
+
+def _expand_block_scale(s: torch.Tensor, rows: int, cols: int, r: int, c: int) -> torch.Tensor:
+    """Scale grid s (ceil(rows/r), ceil(cols/c)) broadcast to every element (rows, cols)."""
+    return s.repeat_interleave(r, dim=0)[:rows].repeat_interleave(c, dim=1)[:, :cols]
+
+
+def _ref_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype):
+    """fp32 operands -> x @ w.T (+ bias) computed in float64, rounded to fp32, cast to out_dtype."""
+    y = (x.double() @ w.double().t()).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_block_linear_reference(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                               w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                               out_dtype: torch.dtype = torch.bfloat16, small_m: int = 64) -> torch.Tensor:
+    """Reference of :func:`fp8_block_linear`: dequantize both (data * scale, fp32), multiply, add bias."""
+    x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
+    m, k = x.shape
+    n = w.shape[0]
+    xf = x.float() * _expand_block_scale(xs, m, k, 1, GROUP)
+    wf = w.float() * _expand_block_scale(ws, n, k, GROUP, GROUP)
+    return _ref_matmul(xf, wf, bias, out_dtype).reshape(*lead, n)
+
+
+def legacy_scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                               w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """!!! KNOWN-WRONG: DO NOT USE FOR COMPUTATION. Exists only to reproduce a silent-error trap. !!!
+
+    The old ``torch._scaled_mm`` call with the *unpadded* 1x128 x 128x128 scales (x_scale (M, Kb)
+    with strides (1, M); w_scale.t() (Kb, Nb) with strides (1, Kb)). On torch 2.11 + H200 it
+    returns relative errors of 0.38-0.53, with no exception, whenever K/128 is not a multiple of 4
+    (K = 640, 896, 1152, 1408): cuBLAS reads the weight-scale grid with a leading dimension padded
+    to a multiple of 4, i.e. the wrong scales. :func:`scaled_mm_blockwise` pads correctly. A
+    numerics harness must catch exactly this class of bug; tests/test_gemm_gpu.py keeps it caught.
+    Needs M % 4 == 0 and K, N multiples of 16 (it does no padding).
+    """
+    x, xs, w, ws, _ = _block_operands(x_data, x_scale, w_data, w_scale)
+    sa = xs.t().contiguous().t()
+    sb = ws.contiguous().t()
+    return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+# ============================================================================ FP8 per-tensor
+def _tensor_operands(x_data, x_scale, w_data, w_scale):
+    """Validate per-tensor operands; return x (M, K), xs (1,), w (N, K), ws (1,), lead dims."""
+    lead = tuple(x_data.shape[:-1])
+    x = _rows(x_data, "x_data")
+    _check_fp8(x, "x_data", "e4m3:tensor")
+    _check_fp8(w_data, "w_data", "e4m3:tensor")
+    if w_data.dim() != 2 or w_data.shape[1] != x.shape[1]:
+        raise _bad(f"w_data must be (N, K={x.shape[1]}) to match x_data, got {tuple(w_data.shape)}")
+    for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if s.numel() != 1 or s.dtype != torch.float32:
+            raise _bad(f"{name} must be one fp32 scale (e4m3:tensor), got {tuple(s.shape)} {s.dtype}")
+    return x, x_scale.reshape(1), w_data.contiguous(), w_scale.reshape(1), lead
+
+
+def scaled_mm_tensorwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                         w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """cuBLAS tensor-wise FP8 (``F.scaled_mm`` when present, else ``torch._scaled_mm``), K and N
+    zero-padded to multiples of 16. Shapes as :func:`fp8_tensor_linear`; raises when refused."""
+    x, xs, w, ws, lead = _tensor_operands(x_data, x_scale, w_data, w_scale)
+    bias = _check_out(out_dtype, bias, w.shape[0])
+    m, k = x.shape
+    n = w.shape[0]
+    kp, np_ = _round_up(k, 16), _round_up(n, 16)
+    xp, wp = _pad2(x, m, kp), _pad2(w, np_, kp)
+    sa, sb = xs.reshape(()), ws.reshape(())
+    if has_scaled_mm():
+        out = _SCALED_MM(xp, wp.t(), sa, _SCALING.TensorWise, sb, _SCALING.TensorWise, output_dtype=out_dtype)
+    else:
+        out = torch._scaled_mm(xp, wp.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    if np_ != n:
+        out = out[:, :n].contiguous()
+    if bias is not None:
+        out = out.add_(bias.to(out_dtype))
+    return out.reshape(*lead, n)
+
+
+def fp8_tensor_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                      small_m: int = 64) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for per-tensor FP8 (e4m3:tensor) operands.
+
+    x_data (M, K) (or (..., K)) float8_e4m3fn, x_scale one fp32; w_data (N, K), w_scale one fp32;
+    bias (N,) or None -> (M, N) in out_dtype. M <= small_m: the Triton decode kernel with
+    broadcast scales; else cuBLAS (:func:`scaled_mm_tensorwise`), Triton when that is refused.
+    """
+    x, xs, w, ws, lead = _tensor_operands(x_data, x_scale, w_data, w_scale)
+    bias = _check_out(out_dtype, bias, w.shape[0])
+    if x.shape[0] > small_m and x.is_cuda:
+        try:
+            return scaled_mm_tensorwise(x, xs, w, ws, bias, out_dtype).reshape(*lead, w.shape[0])
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            warnings.warn(f"fp8_tensor_linear: cuBLAS tensor-wise FP8 refused (M, K, N) = "
+                          f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
+                          "using the Triton GEMM", RuntimeWarning, stacklevel=2)
+    out = _launch_fp8(x, xs, (0, 0), w, ws, (0, 0), bias, out_dtype, None)
+    return out.reshape(*lead, w.shape[0])
+
+
+def fp8_tensor_linear_reference(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                                w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                                out_dtype: torch.dtype = torch.bfloat16, small_m: int = 64) -> torch.Tensor:
+    """Reference of :func:`fp8_tensor_linear`: dequantize both (fp32), multiply, add bias."""
+    x, xs, w, ws, lead = _tensor_operands(x_data, x_scale, w_data, w_scale)
+    return _ref_matmul(x.float() * xs, w.float() * ws, bias, out_dtype).reshape(*lead, w.shape[0])
+
+
+# ============================================================================ MX / NVFP4
+@dataclass(frozen=True)
+class MXWeight:
+    """A kernel-ready MXFP8 / MXFP4 / NVFP4 weight (built once by :func:`prepare_mx_weight`).
+
+    Attributes:
+        kind: ``"mxfp8"``, ``"mxfp8_e5m2"``, ``"mxfp4"`` or ``"nvfp4"``.
+        data: FP8 kinds: (N, Kp) float8 elements; FP4 kinds: (N, Kp/2) uint8, two E2M1 codes per
+            byte: in each 128-column chunk c, byte c*64 + j holds column c*128 + j in its low
+            nibble and column c*128 + 64 + j in its high nibble (the kernel's two K halves).
+        scale: MX: (N, Kp/32) uint8 E8M0 codes; NVFP4: (N, Kp/16) float8_e4m3fn block scales.
+        tensor_scale: NVFP4 (1,) fp32 per-tensor scale, else None.
+        n, k: the logical weight shape (N, K); Kp = round_up(K, 128), padding is zero elements
+            with unit scales.
+    """
+
+    kind: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: Optional[torch.Tensor]
+    n: int
+    k: int
+
+    @property
+    def block(self) -> int:
+        """Scale block length along K (32 for MX, 16 for NVFP4)."""
+        return 16 if self.kind == "nvfp4" else 32
+
+    @property
+    def is_fp4(self) -> bool:
+        """True for packed E2M1 data."""
+        return self.kind in ("mxfp4", "nvfp4")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads for the whole weight (data + scales)."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel()
+
+
+def prepare_mx_weight(q: Any) -> MXWeight:
+    """Repack a weight QTensor (``mxfp8``, ``mxfp8_e5m2``, ``mxfp4`` or ``nvfp4``; data (N, K)) for :func:`mx_linear`.
+
+    E2M1 codes are packed two per byte, fp32 scales become their 1-byte codes (E8M0 / E4M3:
+    exact, taken from ``QTensor.scale_codes``), K is zero-padded to a multiple of 128.
+    """
+    spec = q.spec
+    if spec.kind not in ("mx", "nvfp4"):
+        raise _bad(f"prepare_mx_weight needs an mxfp8 / mxfp4 / nvfp4 weight QTensor, got spec {spec}")
+    if q.data.dim() != 2:
+        raise _bad(f"MX weight must be 2-D (N, K), got shape {tuple(q.data.shape)}")
+    n, k = q.data.shape
+    kp = _round_up(max(k, 1), MX_CHUNK)
+    dev = q.data.device
+    if spec.elem in ("e4m3", "e5m2"):
+        data = _pad2(q.data, n, kp).contiguous()
+    else:
+        codes = _pad2(q.data.to(torch.uint8), n, kp).reshape(n, kp // MX_CHUNK, 2, MX_CHUNK // 2)
+        data = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
+    nvfp4 = spec.kind == "nvfp4"
+    sb = 16 if nvfp4 else 32
+    codes_s = q.scale_codes().reshape(n, -1)
+    unit = 0x38 if nvfp4 else 127  # 1.0 in E4M3 / E8M0: padding must not be NaN (0 * NaN = NaN)
+    scale = torch.full((n, kp // sb), unit, device=dev, dtype=torch.uint8)
+    scale[:, : codes_s.shape[1]] = codes_s
+    if nvfp4:
+        scale = scale.view(FP8)
+    ts = q.tensor_scale.reshape(1).to(torch.float32).contiguous() if nvfp4 else None
+    return MXWeight(kind=str(spec), data=data, scale=scale.contiguous(), tensor_scale=ts, n=n, k=k)
+
+
+def prepare_weight(q: Any) -> Optional[MXWeight]:
+    """Kernel-ready form of a weight QTensor: MX / NVFP4 -> :class:`MXWeight`; FP8 block /
+    per-tensor weights are used as stored (data + scale) and return None."""
+    return prepare_mx_weight(q) if q.spec.kind in ("mx", "nvfp4") else None
+
+
+def dequantize_mx_weight(w: MXWeight) -> torch.Tensor:
+    """fp32 (N, K) values of a prepared weight (pure torch; equals the source ``QTensor.dequantize()``)."""
+    from engine.formats import decode_codes
+
+    kp = w.data.shape[1] * (2 if w.is_fp4 else 1)
+    if w.is_fp4:
+        p = w.data.reshape(w.n, kp // MX_CHUNK, MX_CHUNK // 2)
+        elem = decode_codes(torch.stack((p & 15, p >> 4), dim=2).reshape(w.n, kp), "e2m1")
+    else:
+        elem = w.data.float()
+    scale = decode_codes(w.scale, "e4m3" if w.kind == "nvfp4" else "e8m0")
+    if w.tensor_scale is not None:
+        scale = scale * w.tensor_scale  # the fp32 product quantize divided by
+    return (elem * scale.repeat_interleave(w.block, dim=1))[:, : w.k]
+
+
+def _mx_operands(x: Any, w: Any, x_scale: Optional[torch.Tensor]):
+    """Normalize mx_linear inputs: (x (M, K), x_scale (M, ceil(K/32)) or None, MXWeight, lead dims)."""
+    if hasattr(x, "spec") and hasattr(x, "data"):  # an activation QTensor
+        if x.spec.kind != "mx" or x.spec.elem not in ("e4m3", "e5m2"):
+            raise _bad(f"mx_linear takes mxfp8 activation QTensors, got spec {x.spec}")
+        x, x_scale = x.data, x.scale
+    if not isinstance(w, MXWeight):
+        w = prepare_mx_weight(w)  # a QTensor: repacked on every call (prepare once for speed)
+    lead = tuple(x.shape[:-1])
+    x2 = _rows(x, "x")
+    m, k = x2.shape
+    if k != w.k:
+        raise _bad(f"x (..., {k}) does not match the weight (N={w.n}, K={w.k})")
+    if x_scale is not None:
+        if x2.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise _bad(f"x with x_scale must be MX fp8 data (float8_e4m3fn / e5m2), got {x2.dtype}")
+        kb = _cdiv(k, 32)
+        if x_scale.numel() != m * kb or x_scale.dtype != torch.float32:
+            raise _bad(f"x_scale must be fp32 (..., ceil(K/32)={kb}) (the mxfp8 layout) for x {tuple(x.shape)}, "
+                       f"got {tuple(x_scale.shape)} {x_scale.dtype}")
+        x_scale = x_scale.reshape(m, kb).contiguous()
+    elif x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise _bad(f"x without x_scale must be bf16 / fp16 / fp32 (w4a16), got {x2.dtype}; "
+                   "pass x_scale for MX fp8 activations")
+    return x2, x_scale, w, lead
+
+
+def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+              out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with an MXFP8 / MXFP4 / NVFP4 weight, dequantized inside the Triton kernel.
+
+    Args:
+        x: either MX fp8 activations -- an ``mxfp8`` QTensor, or data (M, K) float8 with
+            ``x_scale`` (M, ceil(K/32)) fp32 -- or a bf16 / fp16 / fp32 (M, K) tensor (rounded to
+            bf16 in the kernel). Leading dims allowed: (..., K).
+        w: an :class:`MXWeight` (from :func:`prepare_mx_weight`) or a weight QTensor (repacked
+            on every call).
+        bias: (N,) or None, added in fp32. out_dtype: bf16 / fp16 / fp32.
+        split_k: override the heuristic number of K splits.
+
+    Returns:
+        (M, N) (or (..., N)) in out_dtype.
+    """
+    x2, xs, w, lead = _mx_operands(x, w, x_scale)
+    bias = _check_out(out_dtype, bias, w.n)
+    m, k = x2.shape
+    n = w.n
+    out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    bm, bn, _, _ = _tiles(m)
+    if m > 64:
+        bm, bn = 128, 64  # a (64, 128) bf16 MMA tile keeps the dequantized operands in registers
+    n_chunks = w.data.shape[1] * (2 if w.is_fp4 else 1) // MX_CHUNK
+    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k)
+    part = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else out
+    ts = w.tensor_scale
+    grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
+    _mx_gemm_kernel[grid](
+        x2, xs if xs is not None else x2, w.data, w.scale, ts if ts is not None else out, out, part,
+        bias if bias is not None else out, m, n, k, n_chunks, per,
+        x2.stride(0), xs.stride(0) if xs is not None else 0, w.data.stride(0), w.scale.stride(0),
+        BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
+        HAS_TS=ts is not None and splits == 1, USE_PART=splits > 1, HAS_BIAS=bias is not None and splits == 1,
+        num_warps=4, num_stages=3)
+    if splits > 1:
+        _reduce(part, out, bias, ts)
+    return out.reshape(*lead, n)
+
+
+def mx_linear_reference(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None,
+                        bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                        split_k: Optional[int] = None) -> torch.Tensor:
+    """Reference of :func:`mx_linear`: x dequantized (fp8 * 1x32 scale, or x as given, in fp32),
+    the weight via :func:`dequantize_mx_weight`, multiplied in float64, + bias."""
+    x2, xs, w, lead = _mx_operands(x, w, x_scale)
+    m, k = x2.shape
+    xf = x2.float()
+    if xs is not None:
+        xf = xf * _expand_block_scale(xs, m, k, 1, 32)
+    return _ref_matmul(xf, dequantize_mx_weight(w), bias, out_dtype).reshape(*lead, w.n)
+
+
+__all__ = [
+    "MXWeight", "dequantize_mx_weight", "fp8_block_gemm_triton", "fp8_block_linear", "fp8_block_linear_reference",
+    "fp8_tensor_linear", "fp8_tensor_linear_reference", "has_scaled_mm", "legacy_scaled_mm_blockwise",
+    "mx_linear", "mx_linear_reference", "prepare_mx_weight", "prepare_weight", "scaled_mm_blockwise",
+    "scaled_mm_tensorwise",
+]

@@ -1,0 +1,318 @@
+"""Triton kernels of the paged KV cache: paged decode attention (split-K) and the fused cache write.
+
+`paged_decode_attention` reads the pages and scales of `PagedKVCache`
+(`engine.kernels.paged_cache`) directly through the block table: each
+(sequence, kv_head) context is split over `num_splits` programs
+(flash-decoding: partial max, sum and unnormalised accumulator per split) and
+a small second kernel merges the splits. Numerics as in
+`engine.kernels.attention` (FP32 QK^T and softmax, P and dequantized V in
+bf16 for PV, FP32 accumulation, optional E4M3 1x128 output);
+`paged_decode_attention_reference` runs the FP32 `Numerics.attention` on
+`gather`ed, dequantized K/V.
+
+`kv_write` is the cache's fused quantize + scatter (the `"triton"` write path),
+bit-exact with the `engine.formats.quantize` path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.attention import (LOG2E, _check_dtype, _compute_types, _e4m3_scale, _emulated_attention,
+                                      _finish, _launch, _load_v, _out_buffers, _pow2, _qk, _scale_view,
+                                      _softmax_step, _store_e4m3, _store_e4m3_groups, _store_output, _strides,
+                                      dequantize)
+from engine.kernels.paged_cache import PagedKVCache, _to_device
+
+__all__ = ["PagedKVCache", "kv_write", "paged_decode_attention", "paged_decode_attention_reference"]
+
+
+# ------------------------------------------------------------- decode kernels
+@triton.jit
+def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr, seq_ptr, slen_ptr, qpos_ptr,
+                         pm_ptr, pl_ptr, pacc_ptr,
+                         sqb, sqh, sqt, sqd, sqsb, sqsh, sqst, s_bt, s_qp,
+                         sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t,
+                         svs_blk, svs_h, svs_t, svs_g,
+                         HKV, GROUP, TQ, NSPLIT, qk_scale, window,
+                         PAGE: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, DQ_P: tl.constexpr,
+                         DV_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_QS: tl.constexpr,
+                         HAS_SCALES: tl.constexpr, V_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr):
+    """Grid (batch*kv_heads, row blocks, splits). Rows r = g*TQ + i pack the GROUP query heads sharing one KV
+    head (times tq queries) into one tile; the split takes an equal share of the keys [lo, hi) its rows can see
+    and writes partial (max, sum, unnormalised acc) for the reduce kernel."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    kvh = pid % HKV
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    rmask = rows < GROUP * TQ
+    g = rows // TQ
+    i = rows % TQ
+    head = kvh * GROUP + g
+    seq = tl.load(seq_ptr + b).to(tl.int64)
+    seq_len = tl.load(slen_ptr + b)
+    q_pos = tl.load(qpos_ptr + b.to(tl.int64) * s_qp + i, mask=rmask, other=0)
+    dq = tl.arange(0, DQ_P)
+    dv = tl.arange(0, DV_P)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + head.to(tl.int64)[:, None] * sqh + i.to(tl.int64)[:, None] * sqt
+                + dq[None, :] * sqd, mask=rmask[:, None] & (dq[None, :] < DQ), other=0.0).to(COMPUTE)
+    row_scale = tl.full((BM,), qk_scale, tl.float32)
+    if HAS_QS:
+        row_scale = row_scale * tl.load(qs_ptr + b.to(tl.int64) * sqsb + head.to(tl.int64) * sqsh + i * sqst,
+                                        mask=rmask, other=1.0)
+    hi = tl.minimum(seq_len, tl.max(tl.where(rmask, q_pos, -1)) + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.min(tl.where(rmask, q_pos, 2147483647)) - window + 1, 0)
+    else:
+        lo = 0
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NSPLIT), BN) * BN
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+    acc = tl.zeros((BM, DV_P), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    for n0 in range(start, end, BN):
+        t = n0 + tl.arange(0, BN)
+        tmask = t < end
+        page = tl.load(bt_ptr + seq * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = t % PAGE
+        k = tl.load(kc_ptr + page[:, None] * sk_blk + kvh * sk_h + slot[:, None] * sk_t + dq[None, :],
+                    mask=tmask[:, None] & (dq[None, :] < DQ), other=0.0)
+        s = _qk(q, k.to(COMPUTE), FP32_QK)  # (BM, BN)
+        if HAS_SCALES:
+            ks = tl.load(kcs_ptr + page * sks_blk + kvh * sks_h + slot * sks_t, mask=tmask, other=1.0)
+            s = s * ks[None, :]
+        s = s * row_scale[:, None]
+        vis = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
+        if HAS_WINDOW:
+            vis = vis & (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, True)
+        v = _load_v(vc_ptr + page[:, None] * sv_blk + kvh * sv_h + slot[:, None] * sv_t + dv[None, :],
+                    vcs_ptr + page * svs_blk + kvh * svs_h + slot * svs_t, svs_g, tmask,
+                    HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(PV_DTYPE), v)
+    prow = ((b * (HKV * GROUP) + head) * TQ + i).to(tl.int64) * NSPLIT + split  # (BM,) into (B, H, TQ, S)
+    tl.store(pm_ptr + prow, m_i, mask=rmask)
+    tl.store(pl_ptr + prow, l_i, mask=rmask)
+    tl.store(pacc_ptr + prow[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _decode_reduce_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr, H, TQ, NSPLIT,
+                          S_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, OUT_MODE: tl.constexpr,
+                          STORE_HP: tl.constexpr):
+    """Grid (batch*heads*tq,): merge the splits of one query row: out = sum_s w_s acc_s / sum_s w_s l_s with
+    w_s = exp2(m_s - max_s m_s); no visible key anywhere gives NaN (0 / 0)."""
+    pid = tl.program_id(0)  # = (b*H + h)*TQ + i
+    i = pid % TQ
+    bh = pid // TQ
+    b = bh // H
+    h = bh % H
+    sp = tl.arange(0, S_P)
+    smask = sp < NSPLIT
+    base = pid.to(tl.int64) * NSPLIT
+    m = tl.load(pm_ptr + base + sp, mask=smask, other=float("-inf"))
+    lsum = tl.load(pl_ptr + base + sp, mask=smask, other=0.0)
+    dv = tl.arange(0, DV_P)
+    acc = tl.load(pacc_ptr + (base + sp)[:, None] * DV + dv[None, :], mask=smask[:, None] & (dv[None, :] < DV),
+                  other=0.0)
+    mx = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)  # (DV_P,)
+    row = tl.full((1,), 0, tl.int32) + b * TQ + i
+    _store_output(o[None, :], row, row >= 0, h * DV, out_ptr, hp_ptr, osc_ptr, H * DV, DV, DV_P,
+                  OUT_MODE, STORE_HP)
+
+
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr,
+                     T, s_bt, MAX_BLOCKS, TRASH, skb, skh, skt, skd, svb, svh, svt, svd,
+                     sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
+                     PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+                     GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
+                     K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr):
+    """Grid (batch, token blocks, kv_heads): quantize BT tokens of one (row, kv_head) and scatter them to
+    their pages. K: the head's scale from kamax (e4m3:head) or one scale per token (e4m3:token); V: one
+    scale per 128-group (GW-wide groups, NG per padded row, VG real ones), or with V_TOKEN one scale per
+    token written to all VG group slots. Non-FP8 caches store the cast values."""
+    b = tl.program_id(0)
+    h = tl.program_id(2)
+    tok = tl.program_id(1) * BT + tl.arange(0, BT)
+    tmask = tok < T
+    seq = tl.load(seq_ptr + b)
+    pos = tl.load(start_ptr + b) + tok  # int64
+    blk = pos // PAGE
+    page = tl.load(bt_ptr + seq * s_bt + tl.minimum(blk, MAX_BLOCKS - 1), mask=tmask, other=TRASH)
+    page = tl.where(blk < MAX_BLOCKS, page, TRASH).to(tl.int64)  # beyond the table: the trash page
+    slot = pos % PAGE
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    kmask = tmask[:, None] & (dk[None, :] < DK)
+    vmask = tmask[:, None] & (dv[None, :] < DV)
+    x = tl.load(k_ptr + b.to(tl.int64) * skb + h * skh + tok[:, None] * skt + dk[None, :] * skd, mask=kmask,
+                other=0.0).to(tl.float32)
+    y = tl.load(v_ptr + b.to(tl.int64) * svb + h * svh + tok[:, None] * svt + dv[None, :] * svd, mask=vmask,
+                other=0.0).to(tl.float32)
+    koff = page[:, None] * sk_blk + h * sk_h + slot[:, None] * sk_t + dk[None, :]
+    voff = page[:, None] * sv_blk + h * sv_h + slot[:, None] * sv_t + dv[None, :]
+    if FP8:
+        if K_PER_HEAD:
+            amax = tl.full((BT,), 0.0, tl.float32) + tl.load(kamax_ptr + h)
+            ks = tl.div_rn(amax, tl.full((BT,), 448.0, tl.float32))  # a NaN amax gives a NaN scale
+            ks = tl.where(amax == 0.0, 1.0, ks)
+        else:
+            ks = _e4m3_scale(x)
+        _store_e4m3(x, ks[:, None], kmask, koff, kc_ptr)
+        tl.store(kcs_ptr + page * sks_blk + h * sks_h + slot * sks_t, ks, mask=tmask)
+        gi = tl.arange(0, NG)
+        soff = (page * svs_blk + h * svs_h + slot * svs_t)[:, None] + gi[None, :] * svs_g  # (BT, NG)
+        if V_TOKEN:
+            vsc = _e4m3_scale(y)  # (BT,): the whole head_dim (padding is 0)
+            _store_e4m3(y, vsc[:, None], vmask, voff, vc_ptr)
+            tl.store(vcs_ptr + soff, tl.broadcast_to(vsc[:, None], (BT, NG)), mask=tmask[:, None] & (gi[None, :] < VG))
+        else:
+            _store_e4m3_groups(tl.reshape(y, (BT * NG, GW)), tl.reshape(vmask, (BT * NG, GW)),
+                               tl.reshape(voff, (BT * NG, GW)), tl.reshape(soff, (BT * NG,)), vc_ptr, vcs_ptr)
+    else:
+        tl.store(kc_ptr + koff, x, mask=kmask)  # cast to the cache dtype (RNE) by the store
+        tl.store(vc_ptr + voff, y, mask=vmask)
+
+
+# ----------------------------------------------------------------- wrappers
+def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Quantize k (batch, kv_heads, t, d) / v (batch, kv_heads, t, dv) and scatter them into the pages of
+    sequences sid (batch,) at positions st[b] + j (device int tensors). The per-head K amax over the call
+    (e4m3:head) is one torch reduction first (NaN-propagating, like the library's). Reference: the cache's
+    "library" write path (`PagedKVCache(quantizer="library")`)."""
+    b, h, t, _ = k.shape
+    per_head = cache.fp8 and cache.k_spec == "e4m3:head"
+    kamax = k.abs().float().amax(dim=(0, 2, 3)).contiguous() if per_head else cache.seq_lens  # (kv_heads,)
+    kc, vc = cache.k_data(layer), cache.v_data(layer)
+    kcs = cache.k_scale(layer) if cache.fp8 else kc
+    vcs = cache.v_scale(layer) if cache.fp8 else vc
+    dk_p, dv_p = triton.next_power_of_2(cache.head_dim), triton.next_power_of_2(cache.head_dim_v)
+    gw = min(dv_p, 128)
+    bt = 1 if t == 1 else 32  # decode steps write one token per row; two variants keep compiles few
+    _kv_write_kernel[(b, triton.cdiv(t, bt), h)](
+        k, v, kamax, cache.block_tables, sid, st, kc, vc, kcs, vcs,
+        t, cache.block_tables.stride(0), cache.max_blocks_per_seq, cache.trash,
+        *k.stride(), *v.stride(), *kc.stride()[:3], *vc.stride()[:3],
+        *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
+        PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
+        NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
+        V_TOKEN=cache.v_spec == "e4m3:token", num_warps=4)
+
+
+def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
+    """(seq_ids int32 (b,), seq_lens int32 (b,), q_pos int32 (b, tq)) on the device, defaults filled in:
+    rows 0..b-1 of the cache, the cache's lengths, the last tq positions of each sequence."""
+    b, _, tq, _ = q.shape
+    dev = q.device
+    ids = torch.arange(b) if seq_ids is None else torch.as_tensor(seq_ids)
+    ids = _to_device(ids.reshape(-1), dev).to(torch.int32)
+    if seq_lens is None:
+        lens = cache.seq_lens.to(dev)[ids.long()]
+    else:
+        lens = _to_device(torch.as_tensor(seq_lens).reshape(-1), dev).to(torch.int32)
+    if ids.numel() != b or lens.numel() != b:
+        raise ValueError(f"seq_ids / seq_lens need one entry per batch row ({b}), got {ids.numel()} / {lens.numel()}")
+    if q_pos is None:
+        qp = lens[:, None] - tq + torch.arange(tq, device=dev, dtype=torch.int32)  # (b, tq)
+    else:
+        qp = _to_device(torch.as_tensor(q_pos), dev).to(torch.int32)
+        if qp.shape not in ((tq,), (b, tq)):
+            raise ValueError(f"q_pos must be ({tq},) or ({b}, {tq}), got {tuple(qp.shape)}")
+        qp = qp.expand(b, tq)
+    return ids.contiguous(), lens.contiguous(), qp
+
+
+def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq_lens=None, *, seq_ids=None,
+                           q_pos=None, scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                           q_scale=None, block_n: int = 64, num_splits: Optional[int] = None,
+                           out_dtype: torch.dtype = torch.float32, out_quant: Optional[str] = None,
+                           return_hp: bool = False, num_warps: int = 4, num_stages: int = 3):
+    """Decode attention over the paged cache (split-K). Reference: `paged_decode_attention_reference`.
+
+    q: (batch, heads, tq, head_dim) fp32 / bf16 / fp16 / float8_e4m3fn (with q_scale: per tensor,
+    (batch, heads) or (batch, heads, tq)); row b attends to sequence seq_ids[b] (default b) of `cache`,
+    whose first seq_lens[b] tokens (default: cache.seq_lens) are the keys at positions 0..len-1; the
+    queries sit at q_pos (tq,) or (batch, tq) (default: the last tq positions, len-tq..len-1), causal
+    by position, optional sliding window. block_n: keys per tile (any page size); num_splits: programs
+    per (sequence, kv_head) (default: enough to fill the GPU; fix it for CUDA graphs).
+
+    Returns (batch, tq, heads*head_dim_v) like `flash_attention` (fp32 / bf16, or with
+    out_quant="e4m3:1x128" (data, scales[, fp32 output])).
+    """
+    _check_dtype(q, "q")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, heads, tq, head_dim), got shape {tuple(q.shape)}")
+    b, h, tq, dq = q.shape
+    hkv, dv = cache.kv_heads, cache.head_dim_v
+    if dq != cache.head_dim or h % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache (kv_heads {hkv} must divide heads, "
+                         f"head_dim must be {cache.head_dim})")
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_n {block_n}: use 16, 32, 64, 128 or 256")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    dev = q.device
+    ids, lens, qp = _decode_rows(q, cache, seq_lens, seq_ids, q_pos)
+    qs = _scale_view(q_scale, (b, h, tq), "q_scale", dev)
+    group = h // hkv
+    bm = min(64, _pow2(group * tq))
+    n_mb = triton.cdiv(group * tq, bm)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        ctx = cache.context_bound(seq_ids, b)
+        num_splits = max(1, min(triton.cdiv(4 * sms, b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
+    pm = torch.empty((b, h, tq, num_splits), device=dev, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty((b, h, tq, num_splits, dv), device=dev, dtype=torch.float32)
+    kc, vc = cache.k_data(layer), cache.v_data(layer)
+    kcs, vcs = cache.k_scale(layer), cache.v_scale(layer)
+    compute, fp32_qk, pv = _compute_types(q.dtype, kc.dtype, vc.dtype)
+    qk_scale = (1.0 / math.sqrt(dq) if scale is None else float(scale)) * LOG2E
+    args = (q, qs if qs is not None else pm, kc, vc, kcs if kcs is not None else pm, vcs if vcs is not None else pm,
+            cache.block_tables, ids, lens, qp, pm, pl, pacc,
+            *q.stride(), *_strides(qs, 3), cache.block_tables.stride(0), qp.stride(0),
+            *kc.stride()[:3], *vc.stride()[:3], *_strides(kcs, 3), *_strides(vcs, 4),
+            hkv, group, tq, num_splits, qk_scale, sliding_window or 0)
+    kwargs = dict(PAGE=cache.block_size, DQ=dq, DV=dv, DQ_P=_pow2(dq), DV_P=_pow2(dv), BM=bm, BN=block_n,
+                  HAS_QS=qs is not None, HAS_SCALES=cache.fp8, V_GROUPS=cache.v_groups,
+                  HAS_WINDOW=sliding_window is not None, COMPUTE=compute, PV_DTYPE=pv, FP32_QK=fp32_qk,
+                  num_warps=num_warps, num_stages=num_stages)
+    _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
+            f"paged_decode_attention(block_n={block_n})")
+    out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp)
+    _launch(_decode_reduce_kernel, (b * h * tq,),
+            (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
+            dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode, STORE_HP=store_hp,
+                 num_warps=4), "paged decode reduce")
+    return _finish(out, hp, osc, out_quant, return_hp, second)
+
+
+def paged_decode_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer: int, seq_lens=None, *,
+                                     seq_ids=None, q_pos=None, scale: Optional[float] = None,
+                                     sliding_window: Optional[int] = None, q_scale=None) -> torch.Tensor:
+    """FP32 `Numerics.attention` per sequence on the gathered, dequantized K/V: (batch, tq, heads*dv) fp32."""
+    b, h, tq, _ = q.shape
+    ids, lens, qp = _decode_rows(q, cache, seq_lens, seq_ids, q_pos)
+    qd = dequantize(q, q_scale)
+    outs = []
+    for i, (sid, n) in enumerate(zip(ids.tolist(), lens.tolist())):
+        k, v = cache.gather(layer, sid, n)  # (1, kv_heads, n, d)
+        k_pos = torch.arange(n, device=q.device)
+        outs.append(_emulated_attention(qd[i:i + 1], k.to(q.device), v.to(q.device), qp[i], k_pos,
+                                        sliding_window, scale))
+    return torch.cat(outs)  # (batch, tq, heads*dv)

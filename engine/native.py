@@ -1,0 +1,298 @@
+"""The `cuda-native` backend: the same recipe, executed by real FP8 kernels on the GPU.
+
+`NativeNumerics` subclasses the emulating `Numerics` and overrides the hot
+dispatch points with kernels from `engine.kernels` whenever the recipe's
+format at that site has a native kernel on this GPU:
+
+* ``act_quant`` / ``quant`` for ``e4m3:1x128`` -> the Triton quant kernel
+  (bit-exact with `engine.formats.quantize`: same scales, same FP8 bits);
+* ``linear``: FP8 block (``e4m3:1x128`` x ``e4m3:128x128``) -> cuBLAS
+  blockwise `scaled_mm` for large M, the Triton small-M kernel for decode;
+  per-tensor FP8 -> `_scaled_mm`; MXFP8 / MXFP4 / NVFP4 weights -> Triton
+  dequant-in-kernel GEMMs; bf16 -> cuBLAS bf16 (fp32 accumulate);
+* ``attention`` -> the Triton flash-attention kernel (QK^T and softmax in
+  FP32, P in bf16 for the PV product);
+* ``moe`` -> tokens sorted by expert on the device, grouped FP8 GEMMs.
+
+Anything else (an accumulator model such as ``tc14``, static scales, a
+format without a kernel, an installed quant observer) runs through the
+inherited emulation, and `NativeNumerics.coverage` counts, per op, how many
+calls ran native and how many fell back and why, so a `cuda-native` result
+says exactly what was native. Quantization is bit-exact with the emulation;
+only GEMM / attention accumulation order (and attention's bf16 P) differ:
+that is the "kernel" part of the three-way comparison (FP32 vs emulation
+vs native).
+
+Weights: `prepare_weight` keeps the quantized weight as a `NativeWeight`
+(kernel-ready data + scales, no fp32 copy) for the linear / MoE sites.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import MoeConfig
+from engine.formats import QTensor, parse_spec, quantize
+from engine.numerics import _FLOAT_DTYPES, Numerics
+from engine.recipe import Recipe
+from engine.routing import route
+
+# Weight specs with a native GEMM, and the activation specs each pairs with.
+_NATIVE_PAIRS = {
+    "e4m3:128x128": ("e4m3:1x128",),
+    "e4m3:tensor": ("e4m3:tensor",),
+    "mxfp8": ("mxfp8",),
+    "mxfp4": ("bf16", "fp32", "fp16"),
+    "nvfp4": ("bf16", "fp32", "fp16"),
+    "bf16": ("bf16",),
+    "fp32": ("fp32",),
+}
+
+
+@dataclasses.dataclass
+class NativeWeight:
+    """A weight prepared once for the native kernels.
+
+    `q` is the recipe-format QTensor (None for a plain float weight, then held
+    in `kernel` in its dtype); `kernel` holds whatever the GEMM wrapper wants
+    (e.g. repacked MX data); `dense` is a lazily built fp32 dequantized copy
+    used only by fallbacks.
+    """
+
+    spec: str
+    shape: torch.Size
+    q: Optional[QTensor] = None
+    dense: Optional[torch.Tensor] = None
+    kernel: Optional[object] = None
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 (N, K) values of the weight (built on first use and kept: fallbacks only)."""
+        if self.dense is None:
+            self.dense = self.q.dequantize() if self.q is not None else self.kernel.float()
+        return self.dense
+
+    def storage_bytes(self) -> int:
+        """Bytes the weight occupies in its kernel format (data + scales; no fallback copy)."""
+        if self.q is None:
+            return self.kernel.numel() * self.kernel.element_size()
+        n = self.q.data.numel() * self.q.data.element_size()
+        return n + (0 if self.q.scale is None else self.q.scale.numel() * self.q.scale.element_size())
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored weight."""
+        return (self.q.data if self.q is not None else self.kernel).device
+
+
+def _dense(w: torch.Tensor | NativeWeight) -> torch.Tensor:
+    """The fp32 values of a prepared weight, native or not."""
+    return w.dequantize() if isinstance(w, NativeWeight) else w
+
+
+class NativeNumerics(Numerics):
+    """`Numerics` with real GPU kernels at the dispatch points that have one (module docstring).
+
+    `small_m`: token count at or below which linear layers use the decode
+    (small-M) FP8 kernel instead of cuBLAS. `attn_block`: the attention
+    kernel's key/query tile (64, 128 or 256; a serving-config knob).
+    """
+
+    def __init__(self, recipe: Recipe, small_m: int = 64, attn_block: int = 64, legacy_blockwise: bool = False):
+        super().__init__(recipe)
+        # legacy_blockwise: a deliberately broken kernel variant for the harness's own tests -- FP8 block
+        # GEMMs through the old `torch._scaled_mm` call with unpadded scales, silently wrong when
+        # K/128 % 4 != 0 (H200_FACTS.md). Never a serving option.
+        self.legacy_blockwise = legacy_blockwise
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'cuda-native' needs a CUDA GPU; none is visible (use cpu-emulated)")
+        from engine.kernels import attention as attn_k  # noqa: F401  (fail early when Triton is missing)
+        from engine.kernels import gemm, quant
+
+        self._quant_k, self._gemm_k, self._attn_k = quant, gemm, attn_k
+        self.small_m = small_m
+        self.attn_block = attn_block
+        self.coverage: collections.Counter[str] = collections.Counter()
+        self._moe_stacks: dict[str, tuple] = {}
+
+    def _count(self, op: str, how: str) -> None:
+        """Record one call of `op` that ran `how` (native, or fallback:<reason>)."""
+        self.coverage[f"{op}:{how}"] += 1
+
+    def coverage_summary(self) -> dict[str, float]:
+        """Fraction of calls that ran native, per op, plus raw counts (for result provenance)."""
+        out: dict[str, float] = {}
+        ops = {k.split(":", 1)[0] for k in self.coverage}
+        for op in sorted(ops):
+            total = sum(v for k, v in self.coverage.items() if k.split(":", 1)[0] == op)
+            out[f"{op}.native_frac"] = self.coverage.get(f"{op}:native", 0) / total
+        out.update({k: float(v) for k, v in sorted(self.coverage.items())})
+        return out
+
+    # ----------------------------------------------------------------- quant
+    def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
+        """`e4m3:1x128` through the Triton kernel (bit-exact); anything else emulated."""
+        spec = spec or self.recipe.spec(site, module)
+        if spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
+                self.recipe.scales and self.recipe.static_scale(site, module) is not None):
+            k = x.shape[-1]
+            data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous())
+            self._count("quant", "native")
+            return QTensor(data=data.reshape(x.shape), scale=scale.reshape(*x.shape[:-1], -1),
+                           spec=parse_spec(spec), shape=x.shape, orig_dtype=x.dtype)
+        self._count("quant", "fallback:" + spec)
+        return super().quant(x, site, module, spec)
+
+    # ---------------------------------------------------------------- weights
+    def prepare_weight(self, w: torch.Tensor, site: str, module: str) -> torch.Tensor | NativeWeight:
+        """Linear / MoE weights -> `NativeWeight` (quantized once, kernel-ready); others as emulated."""
+        if site not in ("linear.weight", "moe.weight"):
+            return super().prepare_weight(w, site, module)
+        spec = self.recipe.spec(site, module)
+        if spec in ("fp32", "bf16", "fp16"):  # kept in its own dtype: cuBLAS reads half the bytes of fp32
+            return NativeWeight(spec, w.shape, kernel=w.to(_FLOAT_DTYPES[spec]).contiguous())
+        static = self.recipe.static_scale(site, module) if self.recipe.scales else None
+        q = quantize(w.float(), spec) if static is None else quantize(w.float(), spec, scale=static)
+        nw = NativeWeight(spec, w.shape, q=q)
+        prep = getattr(self._gemm_k, "prepare_weight", None)
+        if prep is not None and spec in _NATIVE_PAIRS:
+            nw.kernel = prep(q)
+        return nw
+
+    # ---------------------------------------------------------------- linear
+    def _native_gemm(self, xq: QTensor | torch.Tensor, w: NativeWeight, bias: torch.Tensor | None,
+                     module: str) -> torch.Tensor | None:
+        """Run the native GEMM for (input, weight) formats, or None (with the reason counted)."""
+        if self.recipe.accumulate != "fp32":
+            self._count("linear", "fallback:accumulate=" + self.recipe.accumulate)
+            return None
+        out_spec = self.recipe.spec("linear.output", module)
+        if out_spec not in _FLOAT_DTYPES:
+            self._count("linear", "fallback:output=" + out_spec)
+            return None
+        out_dtype = _FLOAT_DTYPES[out_spec]
+        x_spec = str(xq.spec) if isinstance(xq, QTensor) else "float"
+        native = (x_spec in _NATIVE_PAIRS.get(w.spec, ()) if isinstance(xq, QTensor)
+                  else w.spec in ("mxfp4", "nvfp4", "bf16", "fp32", "fp16"))
+        if not native:
+            self._count("linear", f"fallback:{x_spec}x{w.spec}")
+            return None
+        g = self._gemm_k
+        if isinstance(xq, QTensor):
+            k = xq.shape[-1]
+            lead = xq.shape[:-1]
+            if w.spec == "e4m3:128x128" and self.legacy_blockwise and xq.data.numel() // k > self.small_m:
+                y = g.legacy_scaled_mm_blockwise(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
+                                                 w.q.data, w.q.scale, out_dtype=out_dtype)
+                y = y if bias is None else y + bias.to(y.dtype)
+            elif w.spec == "e4m3:128x128":
+                y = g.fp8_block_linear(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
+                                       w.q.data, w.q.scale, bias=bias, out_dtype=out_dtype, small_m=self.small_m)
+            elif w.spec == "e4m3:tensor":
+                y = g.fp8_tensor_linear(xq.data.reshape(-1, k), xq.scale, w.q.data, w.q.scale, bias=bias,
+                                        out_dtype=out_dtype)
+            elif w.spec == "mxfp8":
+                y = g.mx_linear(xq, w.kernel if w.kernel is not None else w.q, bias=bias, out_dtype=out_dtype)
+            else:
+                self._count("linear", f"fallback:{x_spec}x{w.spec}")
+                return None
+        else:  # a float activation (bf16 / fp32 input site): w4a16 MX/NVFP4 or a float weight
+            lead, k = xq.shape[:-1], xq.shape[-1]
+            x2 = xq.reshape(-1, k)
+            if w.spec in ("mxfp4", "nvfp4"):
+                y = g.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q, bias=bias,
+                                out_dtype=out_dtype)
+            else:  # float weight: cuBLAS in the weight's dtype (fp32 accumulate; TF32 off by the reference setup)
+                dt = w.kernel.dtype
+                y = F.linear(x2.to(dt), w.kernel, None if bias is None else bias.to(dt))
+        self._count("linear", "native")
+        # bf16/fp16 outputs are exactly representable in fp32: the rest of the model stays fp32-typed
+        return y.float().reshape(*lead, w.shape[0])
+
+    def linear(self, x: torch.Tensor | QTensor, w: torch.Tensor | NativeWeight, bias: torch.Tensor | None,
+               module: str, input_site: str = "linear.input") -> torch.Tensor:
+        """Native GEMM when (input format, weight format) has a kernel, else the emulation."""
+        if isinstance(w, NativeWeight):
+            in_spec = self.recipe.spec(input_site, module)
+            if isinstance(x, QTensor) and x.spec.is_passthrough:  # a float "quantization" (bf16 / fp32 input)
+                xin: QTensor | torch.Tensor = x.dequantize().to(_FLOAT_DTYPES[str(x.spec)])
+            elif isinstance(x, QTensor):
+                xin = x
+            elif in_spec in _FLOAT_DTYPES:
+                xin = x.to(_FLOAT_DTYPES[in_spec])
+            else:
+                xin = self.quant(x, input_site, module)
+            y = self._native_gemm(xin, w, bias, module)
+            if y is not None:
+                return y
+            xd = xin.dequantize() if isinstance(xin, QTensor) else xin.float()
+            return self._gemm(xd, w.dequantize(), bias, module)
+        return super().linear(x, w, bias, module, input_site)
+
+    def _gemm(self, xd: torch.Tensor, w: torch.Tensor | NativeWeight, bias: torch.Tensor | None,
+              module: str) -> torch.Tensor:
+        """Emulated GEMM on a (possibly native) weight."""
+        return super()._gemm(xd, _dense(w), bias, module)
+
+    # ------------------------------------------------------------- attention
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, module: str, sliding_window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+        """The Triton flash-attention kernel (FP32 QK^T + softmax) when softmax is fp32, else emulated."""
+        sm = self.recipe.spec("attn.softmax", module)
+        if sm != "fp32" or not q.is_cuda:
+            self._count("attention", "fallback:softmax=" + sm)
+            return super().attention(q, k, v, q_pos, k_pos, module, sliding_window, scale)
+        q = self.round(q, "attn.q", module)
+
+        def _carrier(t: torch.Tensor, site: str) -> torch.Tensor:
+            # K/V/Q hold their storage format's values in fp32; bf16/fp16 formats travel losslessly
+            # in that dtype, scaled FP8 values stay fp32 (exact) for the kernel.
+            s = self.recipe.spec(site, module)
+            return t.to(_FLOAT_DTYPES[s]) if s in ("bf16", "fp16") else t
+
+        qc, kc, vc = _carrier(q, "attn.q"), _carrier(k, "kv.k"), _carrier(v, "kv.v")
+        if qc.dtype == torch.float32 or kc.dtype == torch.float32 or vc.dtype == torch.float32:
+            # Scaled FP8 (or fp32) K/V in the contiguous cache arrive as fp32 values without their scales;
+            # the FP8-reading attention is the paged runtime's (FP8 pages + scales, `engine.runtime`).
+            self._count("attention", "fallback:fp32-carrier")
+            return super().attention(q, k, v, q_pos, k_pos, module, sliding_window, scale)
+        out = self._attn_k.flash_attention(qc.contiguous(), kc.contiguous(), vc.contiguous(), q_pos, k_pos,
+                                           scale=scale, sliding_window=sliding_window,
+                                           block_m=self.attn_block, block_n=self.attn_block)
+        self._count("attention", "native")
+        return out.float()
+
+    # ------------------------------------------------------------------- MoE
+    def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
+            experts: Sequence[tuple], cfg: MoeConfig, module: str, tap: str) -> torch.Tensor:
+        """Sorted-by-expert grouped FP8 GEMMs for block-FP8 experts, else the emulation."""
+        specs = {e.spec for ex in experts for e in ex if isinstance(e, NativeWeight)}
+        in_spec = str(xq.spec)
+        ok = (specs == {"e4m3:128x128"} and in_spec == "e4m3:1x128" and self.recipe.accumulate == "fp32"
+              and self.observer is None and self._rowwise_spec(
+                  "moe.input", [f"{module}.experts.{e}.down_proj" for e in range(len(experts))]) == "e4m3:1x128")
+        if not ok:
+            self._count("moe", "fallback:" + (",".join(sorted(specs)) or "float") + "/" + in_spec)
+            dense = [tuple(_dense(t) for t in ex) for ex in experts]
+            return super().moe(x, xq, router_w, correction_bias, dense, cfg, module, tap)
+        from engine.kernels import moe as moe_k
+
+        n, d = x.shape
+        logits = self.router(x, router_w, module + ".gate")  # (tokens, experts) fp32
+        self.emit(tap + "moe.router_logits", logits)
+        weights, ids = route(logits, cfg, correction_bias)  # (tokens, k)
+        self.emit(tap + "moe.topk", ids)
+        stacks = self._moe_stacks.get(module)
+        if stacks is None:  # (gate, up, down) stacked once per layer: (E, N, K) FP8 + (E, N/128, K/128) scales
+            stacks = tuple(moe_k.stack_expert_weights([ex[j].q for ex in experts]) for j in range(3))
+            self._moe_stacks[module] = stacks
+        out_dtype = _FLOAT_DTYPES.get(self.recipe.spec("linear.output", module + ".experts"), torch.bfloat16)
+        y = moe_k.grouped_fp8_moe(xq.data.reshape(n, d), xq.scale.reshape(n, -1), *stacks, weights, ids,
+                                  mode="block", out_dtype=out_dtype)
+        self._count("moe", "native")
+        return y.float()

@@ -1,0 +1,412 @@
+"""Triton attention kernels vs the FP32 emulation (`Numerics.attention`), paged FP8 KV cache bit-exactness
+(GPU only; skipped without CUDA).
+
+Tolerance of the attention outputs: max |kernel - reference| <= 1.5e-2 * max |reference|. The kernels cast
+P to bf16 and V to bf16 for the PV product (module docstring of engine.kernels.attention), a relative error
+of a few 2^-9 per term (the interpreter run of these cases gave 0.1e-2 .. 0.5e-2); 1.5e-2 leaves headroom
+for accumulation order and exp2 differences, and stays well below the difference between a correct and a
+wrongly masked / wrongly scaled attention: the tests check that the reference itself moves by more than
+DISCRIM = 0.1 where it matters (window, K scales, causal mask, context length). Quantized bits (cache pages,
+FP8 output) must match the formats library exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"  # a CPU run under TRITON_INTERPRET=1 overrides this from a dev script
+TOL = 1.5e-2
+DISCRIM = 0.1
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| over the finite reference entries."""
+    ok = torch.isfinite(ref)
+    return ((out.float() - ref).abs()[ok].max() / ref[ok].abs().max()).item()
+
+
+def _rand(*shape, seed: int, scale: float = 1.0, dtype=torch.bfloat16) -> torch.Tensor:
+    """Seeded normal tensor on DEV in `dtype`."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV).to(dtype)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same FP8 bytes."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _scales_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same fp32 scale bits; NaN scales count as equal to NaN (payload and sign may differ)."""
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | both_nan).all())
+
+
+# ------------------------------------------------------------------ prefill
+PREFILL_CASES = {
+    # name: (batch, heads, kv_heads, tq, tk, dq, dv, dtype, window, block_m, block_n)
+    "mha_causal_d64_bn256": (2, 4, 4, 200, 200, 64, 64, torch.bfloat16, None, 64, 256),
+    "gqa_offset_d128": (2, 8, 2, 150, 350, 128, 128, torch.bfloat16, None, 128, 64),
+    "mqa_offset_d96": (1, 4, 1, 77, 301, 96, 96, torch.bfloat16, None, 64, 128),
+    "window_offset_bm256": (1, 2, 1, 280, 420, 64, 64, torch.bfloat16, 100, 256, 64),
+    "mla_dq192_dv128": (1, 4, 4, 130, 130, 192, 128, torch.bfloat16, None, 64, 64),
+    "fp32_inputs": (1, 4, 2, 100, 160, 64, 64, torch.float32, None, 64, 64),
+    "fp16_inputs_window": (1, 4, 2, 100, 160, 128, 128, torch.float16, 50, 64, 64),
+    "decode_shaped_tq1": (3, 8, 2, 1, 333, 128, 128, torch.bfloat16, None, 128, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_vs_reference(case):
+    """Flash attention within TOL of the FP32 emulation: GQA/MQA, q positions after a cached prefix,
+    sliding window, dq != dv, head dims 64/96/128/192, block sizes 64/128/256, fp32/bf16/fp16 inputs."""
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    b, h, hkv, tq, tk, dq, dv, dtype, window, bm, bn = PREFILL_CASES[case]
+    q = _rand(b, h, tq, dq, seed=1, dtype=dtype)
+    k = _rand(b, hkv, tk, dq, seed=2, dtype=dtype)
+    v = _rand(b, hkv, tk, dv, seed=3, dtype=dtype)
+    q_pos = torch.arange(tk - tq, tk, device=DEV)  # the queries follow a cached prefix of tk - tq tokens
+    k_pos = torch.arange(tk, device=DEV)
+    scale = 0.1 if dq != dv else None  # MLA passes its own softmax scale
+    out = flash_attention(q, k, v, q_pos, k_pos, scale=scale, sliding_window=window, block_m=bm, block_n=bn)
+    ref = flash_attention_reference(q, k, v, q_pos, k_pos, scale=scale, sliding_window=window)
+    assert out.shape == (b, tq, h * dv) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    err = _rel_err(out, ref)
+    assert err <= TOL, f"{case}: rel err {err:.2e}"
+    if window is not None:  # the window matters at this tolerance: a kernel ignoring it would fail
+        full = flash_attention_reference(q, k, v, q_pos, k_pos, scale=scale)
+        assert _rel_err(full, ref) > DISCRIM
+
+
+def test_prefill_unsorted_and_strided_inputs():
+    """Keys in any order (k_pos permuted with K/V) and non-contiguous (batch, t, heads, d) views give the
+    same result as the sorted contiguous layout, within TOL of the reference."""
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    b, h, hkv, t, d = 2, 4, 2, 120, 64
+    q = _rand(b, t, h, d, seed=4).transpose(1, 2)  # (b, h, t, d) view, not contiguous
+    k = _rand(b, t, hkv, d, seed=5).transpose(1, 2)
+    v = _rand(b, t, hkv, d, seed=6).transpose(1, 2)
+    pos = torch.arange(t, device=DEV)
+    ref = flash_attention_reference(q, k, v, pos, pos, sliding_window=40)
+    out = flash_attention(q, k, v, pos, pos, sliding_window=40)
+    assert _rel_err(out, ref) <= TOL
+    perm = torch.randperm(t, generator=torch.Generator().manual_seed(0)).to(DEV)
+    out_p = flash_attention(q, k[:, :, perm], v[:, :, perm], pos, pos[perm], sliding_window=40)
+    assert _rel_err(out_p, ref) <= TOL
+
+
+def _fp8_inputs(b, h, hkv, tq, tk, d, k_layout: str):
+    """E4M3 q (per token per head), k (per head over the call, or per token), v (1x128) from the formats library."""
+    from engine.formats import quantize
+
+    q = _rand(b, h, tq, d, seed=7, scale=3.0, dtype=torch.float32)
+    k = _rand(b, hkv, tk, d, seed=8, scale=2.0, dtype=torch.float32)
+    v = _rand(b, hkv, tk, d, seed=9, dtype=torch.float32)
+    qq = quantize(q, "e4m3:token")  # scale (b, h, tq, 1)
+    if k_layout == "head":  # Numerics.kv_store e4m3:head: one scale per KV head over batch and tokens
+        kq = quantize(k.transpose(0, 1).reshape(hkv, -1), "e4m3:token")
+        kd = kq.data.reshape(hkv, b, tk, d).transpose(0, 1)
+        ks = kq.scale.reshape(hkv)[None, :].expand(b, hkv)  # (batch, kv_heads)
+    else:
+        kq = quantize(k, "e4m3:token")
+        kd, ks = kq.data, kq.scale[..., 0]  # (batch, kv_heads, tk)
+    vq = quantize(v, "e4m3:1x128")
+    return qq.data, qq.scale[..., 0], kd, ks, vq.data, vq.scale
+
+
+@pytest.mark.parametrize("k_layout,d,bm,bn", [("head", 128, 128, 128), ("token", 64, 64, 64)])
+def test_prefill_fp8_inputs(k_layout, d, bm, bn):
+    """FP8 Q/K/V with their scales (q per token per head, K per head or per token, V 1x128) within TOL of
+    the emulation on the dequantized values; a kernel that drops the K scales would fail."""
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    b, h, hkv, tq, tk = 2, 8, 2, 100, 260
+    qd, qs, kd, ks, vd, vs = _fp8_inputs(b, h, hkv, tq, tk, d, k_layout)
+    q_pos, k_pos = torch.arange(tk - tq, tk, device=DEV), torch.arange(tk, device=DEV)
+    out = flash_attention(qd, kd, vd, q_pos, k_pos, q_scale=qs, k_scale=ks, v_scale=vs, block_m=bm, block_n=bn)
+    ref = flash_attention_reference(qd, kd, vd, q_pos, k_pos, q_scale=qs, k_scale=ks, v_scale=vs)
+    assert _rel_err(out, ref) <= TOL
+    unscaled_k = flash_attention_reference(qd, kd, vd, q_pos, k_pos, q_scale=qs, v_scale=vs)
+    assert _rel_err(unscaled_k, ref) > DISCRIM
+
+
+@pytest.mark.parametrize("h,dv", [(2, 128), (2, 256), (4, 64), (4, 96)])
+def test_prefill_fp8_output_bit_exact(h, dv):
+    """out_quant='e4m3:1x128': FP8 data and scales equal engine.formats.quantize of the kernel's own fp32
+    output, bit for bit (fused epilogue for dv 128/256, second pass for 64/96); output within TOL."""
+    from engine.formats import quantize
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    tq = tk = 150
+    q = _rand(1, h, tq, 128, seed=10)
+    k = _rand(1, h, tk, 128, seed=11)
+    v = _rand(1, h, tk, dv, seed=12, scale=7.0)
+    v[0, 0, :, :5] = 0.0  # some exactly-zero outputs
+    pos = torch.arange(tq, device=DEV)
+    data, scales, hp = flash_attention(q, k, v, pos, pos, out_quant="e4m3:1x128", return_hp=True)
+    ref_q = quantize(hp, "e4m3:1x128")
+    assert data.dtype == torch.float8_e4m3fn and data.shape == (1, tq, h * dv)
+    assert scales.shape == (1, tq, math.ceil(h * dv / 128))
+    assert _bits_equal(data, ref_q.data) and _scales_equal(scales, ref_q.scale)
+    assert _rel_err(hp, flash_attention_reference(q, k, v, pos, pos)) <= TOL
+    if dv == 128:  # the production path (no fp32 copy) stores the same bits
+        data2, scales2 = flash_attention(q, k, v, pos, pos, out_quant="e4m3:1x128")
+        assert _bits_equal(data2, data) and _scales_equal(scales2, scales)
+
+
+def test_prefill_nan_in_v_propagates():
+    """A NaN in one element V[p, c] reaches output column c of every query that sees key p, like in the
+    emulation (the other columns stay finite), and the fused FP8 output gets a NaN scale for that group;
+    the other batch entry stays finite."""
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    t, p, c, h = 200, 70, 3, 2
+    q, k, v = _rand(2, h, t, 128, seed=13), _rand(2, 1, t, 128, seed=14), _rand(2, 1, t, 128, seed=15)
+    v[0, 0, p, c] = float("nan")
+    pos = torch.arange(t, device=DEV)
+    out = flash_attention(q, k, v, pos, pos).reshape(2, t, h, 128)
+    ref = flash_attention_reference(q, k, v, pos, pos).reshape(2, t, h, 128)
+    assert torch.isnan(ref[0, p:, :, c]).all()
+    assert torch.isnan(out[0, p:, :, c]).all(), "NaN in V dropped"
+    others = torch.ones(128, dtype=torch.bool, device=DEV)
+    others[c] = False
+    assert torch.isfinite(out[0, :, :, others]).all() and torch.isfinite(out[1]).all()
+    _, scales = flash_attention(q, k, v, pos, pos, out_quant="e4m3:1x128")  # (2, t, h): one group per head
+    assert torch.isnan(scales[0, p:]).all() and torch.isfinite(scales[1]).all()
+
+
+def test_bad_inputs_raise():
+    """Clear errors for mismatched shapes, bad scale layouts and unsupported block sizes."""
+    from engine.kernels.attention import flash_attention
+
+    q, k, v = _rand(1, 4, 8, 64, seed=0), _rand(1, 3, 8, 64, seed=0), _rand(1, 3, 8, 64, seed=0)
+    pos = torch.arange(8, device=DEV)
+    with pytest.raises(ValueError, match="kv_heads 3 must divide heads 4"):
+        flash_attention(q, k, v, pos, pos)
+    k, v = k[:, :2], v[:, :2]
+    with pytest.raises(ValueError, match="k_scale"):
+        flash_attention(q, k, v, pos, pos, k_scale=torch.ones(5, device=DEV))
+    with pytest.raises(ValueError, match="block_m"):
+        flash_attention(q, k, v, pos, pos, block_m=48)
+
+
+# ------------------------------------------------------------- paged cache
+def _kv_store(x: torch.Tensor, site: str) -> torch.Tensor:
+    """The emulation's cache write (fp8-kv recipe: K e4m3:head, V e4m3:1x128), dequantized."""
+    from engine.numerics import Numerics
+    from engine.recipe import load_recipe
+
+    return Numerics(load_recipe("fp8-kv")).kv_store(x, site, "layers.0.attn")
+
+
+def _fill(cache, layer: int, lens: list[int], chunk: int, seed: int):
+    """Write sequences 0..n-1 to the given lengths in rounds: every round writes `chunk` tokens (or what
+    is left) to each unfinished sequence; sequences with the same round size share one write call (one
+    K scale per head across them). Returns the emulation's dequantized K/V per sequence (kv_store of the
+    same calls) and the list of write calls (seq_ids, starts, k, v)."""
+    hkv, d, dv = cache.kv_heads, cache.head_dim, cache.head_dim_v
+    exp_k = {s: [] for s in range(len(lens))}
+    exp_v = {s: [] for s in range(len(lens))}
+    for s, n in enumerate(lens):
+        cache.allocate(s, n)
+    done = [0] * len(lens)
+    calls = []
+    r = 0
+    while any(dn < n for dn, n in zip(done, lens)):
+        groups: dict[int, list[int]] = {}
+        for s, n in enumerate(lens):
+            if done[s] < n:
+                groups.setdefault(min(chunk, n - done[s]), []).append(s)
+        for t, seqs in groups.items():
+            k = _rand(len(seqs), hkv, t, d, seed=seed + 97 * r + t, scale=1.0 + r, dtype=torch.float32)
+            v = _rand(len(seqs), hkv, t, dv, seed=seed + 89 * r + t + 1, dtype=torch.float32)
+            cache.write(layer, seqs, [done[s] for s in seqs], k, v)
+            calls.append((seqs, [done[s] for s in seqs], k, v))
+            ek, ev = _kv_store(k, "kv.k"), _kv_store(v, "kv.v")
+            for i, s in enumerate(seqs):
+                exp_k[s].append(ek[i:i + 1])
+                exp_v[s].append(ev[i:i + 1])
+                done[s] += t
+        r += 1
+    return ({s: torch.cat(x, 2) for s, x in exp_k.items()}, {s: torch.cat(x, 2) for s, x in exp_v.items()},
+            calls)
+
+
+@pytest.mark.parametrize("page,dv", [(16, 128), (64, 128), (256, 128), (16, 320)])
+def test_paged_cache_write_gather_bit_exact(page, dv):
+    """Pages hold exactly the emulation's bits: gathered K/V equal Numerics.kv_store of the same write calls
+    (K one scale per KV head per call, V per token and 128-group), for chunks that straddle pages."""
+    from engine.formats import quantize
+    from engine.kernels.paged_kv import PagedKVCache
+
+    lens = [300, 37, 129]
+    cache = PagedKVCache(2, 64, page, 2, 64, dv, max_seqs=4, device=DEV)
+    exp_k, exp_v, calls = _fill(cache, 1, lens, chunk=50, seed=20)
+    for s, n in enumerate(lens):
+        k, v = cache.gather(1, s)
+        assert k.shape == (1, 2, n, 64) and v.shape == (1, 2, n, dv)
+        assert torch.equal(k, exp_k[s]) and torch.equal(v, exp_v[s]), f"sequence {s}"
+    assert cache.seq_lens[:3].tolist() == lens
+    kd, ks, vd, vs = cache.gather(1, 0, dequantize=False)
+    assert ks[0, 0, 0] != ks[0, 0, 60]  # two write calls, two K scales: stored per token, not per sequence
+    seqs, starts, k0, v0 = calls[0]  # the first call wrote tokens 0..49 of sequences 0 and 2
+    assert seqs[0] == 0 and starts[0] == 0
+    ref = quantize(v0[:1], "e4m3:1x128")
+    assert _bits_equal(vd[:, :, :50], ref.data) and _scales_equal(vs[:, :, :50], ref.scale)
+    rk = quantize(k0.transpose(0, 1).reshape(2, -1), "e4m3:token")  # one scale per KV head over the call
+    assert _bits_equal(kd[:, :, :50], rk.data.reshape(2, len(seqs), 50, 64)[:, :1].transpose(0, 1))
+    assert _scales_equal(ks[0, :, :50], rk.scale.reshape(2, 1).expand(2, 50))
+    assert torch.equal(cache.gather(0, 0)[0], torch.zeros(1, 2, 300, 64, device=DEV))  # layer 0 untouched
+
+
+@pytest.mark.parametrize("k_spec,v_spec,dk,dv", [("e4m3:head", "e4m3:1x128", 128, 128),
+                                                 ("e4m3:token", "e4m3:1x128", 96, 320),
+                                                 ("e4m3:head", "e4m3:token", 64, 192)])
+def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv):
+    """The fused Triton write (quantize + scatter) stores the same bytes and scales as the formats-library
+    path (K per head or per token, V per 128-group or per token) on adversarial chunks: all-zero tokens, denormals, amax exactly 448, a NaN in K (the head's
+    scale becomes NaN) and in V (one 128-group); seq ids / starts given as device tensors."""
+    from engine.kernels.paged_kv import PagedKVCache
+
+    caches = [PagedKVCache(1, 40, 16, 2, dk, dv, k_spec=k_spec, v_spec=v_spec, max_seqs=3, device=DEV,
+                           quantizer=qz) for qz in ("library", "triton")]
+    for c in caches:
+        for s in range(3):
+            c.allocate(s, 120)
+    calls = []
+    for r, (ids, starts, t) in enumerate([([0, 2], [0, 0], 40), ([1], [0], 3), ([0, 1, 2], [40, 3, 40], 1),
+                                          ([2], [41], 70)]):
+        k = _rand(len(ids), 2, t, dk, seed=70 + r, scale=4.0, dtype=torch.float32)
+        v = _rand(len(ids), 2, t, dv, seed=80 + r, dtype=torch.float32)
+        if r == 0:
+            k[0, :, 5] = 0.0
+            v[1, :, 7] = 0.0
+            v[0, 0, 9] *= 1e-40  # denormal fp32 inputs
+            v[0, 1, 11, 0] = 448.0
+        if r == 2:
+            k[1, 1, 0, 3] = float("nan")
+            v[2, 0, 0, dv - 1] = float("nan")
+        calls.append((ids, starts, k, v))
+    for c in caches:
+        for i, (ids, starts, k, v) in enumerate(calls):
+            if i == 3:  # device tensors: no host-side bookkeeping at all
+                ids, starts = torch.tensor(ids, device=DEV), torch.tensor(starts, device=DEV)
+            c.write(0, ids, starts, k, v)
+    for s in range(3):
+        lib, tri = caches[0].gather(0, s, dequantize=False), caches[1].gather(0, s, dequantize=False)
+        assert _bits_equal(lib[0], tri[0]) and _bits_equal(lib[2], tri[2]), f"sequence {s} data"
+        assert _scales_equal(lib[1], tri[1]) and _scales_equal(lib[3], tri[3]), f"sequence {s} scales"
+    assert torch.isnan(caches[1].gather(0, 1)[0][0, 1, 3]).all()  # the NaN K head of that call
+    assert caches[1].seq_lens[:3].tolist() == [41, 4, 111]
+
+
+def test_paged_cache_bf16_and_allocation():
+    """bf16 cache stores the cast values; free() recycles pages; writing past the allocation is refused."""
+    from engine.kernels.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(1, 8, 16, 2, 64, dtype=torch.bfloat16, max_seqs=2, max_blocks_per_seq=6, device=DEV)
+    k, v = _rand(1, 2, 40, 64, seed=30, dtype=torch.float32), _rand(1, 2, 40, 64, seed=31, dtype=torch.float32)
+    cache.allocate(0, 40)
+    assert cache.free_blocks() == 5
+    cache.write(0, [0], [0], k, v)
+    kg, vg = cache.gather(0, 0)
+    assert torch.equal(kg, k.bfloat16().float()) and torch.equal(vg, v.bfloat16().float())
+    with pytest.raises(ValueError, match="allocate"):
+        cache.write(0, [0], [40], k[:, :, :9], v[:, :, :9])
+    cache.free(0)
+    assert cache.free_blocks() == 8 and cache.seq_lens[0].item() == 0
+    with pytest.raises(ValueError, match="max_blocks_per_seq"):
+        cache.allocate(1, 7 * 16)
+    cache.allocate(0, 6 * 16)
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.allocate(1, 3 * 16)
+
+
+# ------------------------------------------------------------ paged decode
+DECODE_CASES = {
+    # name: (page, cache dtype, tq, window, block_n)
+    "fp8_page16": (16, torch.float8_e4m3fn, 1, None, 64),
+    "fp8_page64_tq4_window": (64, torch.float8_e4m3fn, 4, 150, 64),
+    "fp8_page256_bn128": (256, torch.float8_e4m3fn, 1, None, 128),
+    "bf16_page64": (64, torch.bfloat16, 1, None, 64),
+    "bf16_page16_tq3": (16, torch.bfloat16, 3, None, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_paged_decode(case):
+    """Paged decode vs the emulation on the gathered cache and vs the prefill kernel on the same FP8 data:
+    sequences of different lengths in one batch (rows mapped to sequences out of order), GQA, causal for
+    tq > 1, sliding window, page sizes 16/64/256."""
+    from engine.kernels.attention import flash_attention
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+
+    page, dtype, tq, window, bn = DECODE_CASES[case]
+    h, hkv, d = 8, 2, 128
+    lens = [1000, 37, 300, 2049]
+    cache = PagedKVCache(1, sum(-(-n // page) for n in lens), page, hkv, d, dtype=dtype, max_seqs=4, device=DEV)
+    _fill(cache, 0, lens, chunk=512, seed=40)
+    seq_ids = [2, 0, 3, 1]
+    q = _rand(4, h, tq, d, seed=41)
+    out = paged_decode_attention(q, cache, 0, seq_ids=seq_ids, sliding_window=window, block_n=bn)
+    ref = paged_decode_attention_reference(q, cache, 0, seq_ids=seq_ids, sliding_window=window)
+    assert out.shape == (4, tq, h * d) and torch.isfinite(out).all()
+    assert _rel_err(out, ref) <= TOL
+    for i, s in enumerate(seq_ids):  # the prefill kernel on the very same stored values
+        kd, ks, vd, vs = cache.gather(0, s, dequantize=False)
+        n = lens[s]
+        pre = flash_attention(q[i:i + 1], kd, vd, torch.arange(n - tq, n, device=DEV), torch.arange(n, device=DEV),
+                              k_scale=ks, v_scale=vs, sliding_window=window)
+        assert _rel_err(out[i:i + 1], pre) <= TOL
+    if tq > 1 and window is None:  # causal inside the new tokens: dropping the mask would be visible
+        unmasked = paged_decode_attention_reference(q, cache, 0, seq_ids=seq_ids,
+                                                    q_pos=torch.full((4, tq), 10**6, device=DEV))
+        assert _rel_err(unmasked, ref) > DISCRIM
+
+
+def test_paged_decode_splits_and_fp8_output():
+    """The result does not depend on the number of splits (1 vs many) beyond TOL; the FP8 output is
+    bit-exact with the library's quantization of the kernel's fp32 output; explicit seq_lens shorter than
+    the cache restrict the keys."""
+    from engine.formats import quantize
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+
+    cache = PagedKVCache(1, 64, 64, 2, 128, max_seqs=2, device=DEV)
+    _fill(cache, 0, [700, 1500], chunk=256, seed=50)
+    q = _rand(2, 8, 1, 128, seed=51)
+    one = paged_decode_attention(q, cache, 0, num_splits=1)
+    many = paged_decode_attention(q, cache, 0, num_splits=13)
+    assert _rel_err(many, one) <= TOL
+    data, scales, hp = paged_decode_attention(q, cache, 0, out_quant="e4m3:1x128", return_hp=True)
+    rq = quantize(hp, "e4m3:1x128")
+    assert _bits_equal(data, rq.data) and _scales_equal(scales, rq.scale)
+    lens = torch.tensor([500, 1000], device=DEV, dtype=torch.int32)
+    short = paged_decode_attention(q, cache, 0, lens)
+    assert _rel_err(short, paged_decode_attention_reference(q, cache, 0, lens)) <= TOL
+    assert _rel_err(short, one) > DISCRIM
+
+
+def test_paged_decode_nan_in_v_propagates():
+    """A NaN written into V of one sequence (its 128-group scale becomes NaN) poisons that sequence's
+    output and nobody else's."""
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+
+    cache = PagedKVCache(1, 32, 16, 2, 128, max_seqs=2, device=DEV)
+    _fill(cache, 0, [100, 120], chunk=64, seed=60)
+    v = _rand(1, 2, 1, 128, seed=61, dtype=torch.float32)
+    v[0, 1, 0, 7] = float("nan")
+    cache.allocate(1, 121)
+    cache.write(0, [1], [120], _rand(1, 2, 1, 128, seed=62, dtype=torch.float32), v)
+    out = paged_decode_attention(_rand(2, 4, 1, 128, seed=63), cache, 0)
+    assert torch.isfinite(out[0]).all()
+    heads = out[1].reshape(1, 4, 128)
+    assert torch.isnan(heads[:, 2:]).all(), "NaN in V dropped"  # query heads 2, 3 read kv head 1
+    assert torch.isfinite(heads[:, :2]).all()

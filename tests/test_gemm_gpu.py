@@ -1,0 +1,302 @@
+"""Quantized GEMMs (engine/kernels/gemm.py) vs their fp32 references on the GPU (skipped without CUDA / Triton).
+
+Error metric: relative Frobenius error ||out - ref||_F / ||ref||_F, where ref is the fp32 product
+of the dequantized operands (computed in float64, see the `*_reference` functions). Tolerances:
+
+* bf16 output: 1e-2 (bf16 rounding of the output alone is ~1e-3 rms);
+* fp32 output: 2e-3 for FP8 tensor-core paths (Hopper FP8 MMA accumulates with reduced precision
+  inside each 128-wide K group before the fp32 promotion); 1e-4 for the MX kernel with exactly
+  bf16-representable operands (bf16 MMA, fp32 accumulation); 1e-2 when fp32 activations are
+  rounded to bf16 in the MX kernel (w4a16).
+
+Data has per-block magnitudes spread over 2**-4 .. 2**4 so that every scale matters: a kernel that
+applies the scale of the wrong block fails by orders of magnitude more than the tolerance. The
+K/128 % 4 trap: the old `torch._scaled_mm` call with unpadded scales must show a large error
+(> 0.1) at K = 640 / 896 / 1152 while `fp8_block_linear` stays within tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 2e-3}
+TOL_MX_EXACT_FP32 = 1e-4
+TOL_MX_ROUNDED_X = 1e-2
+M_SET = [1, 2, 3, 5, 63, 64, 65]
+
+
+@pytest.fixture(scope="module")
+def G():
+    """The kernel module (needs Triton)."""
+    pytest.importorskip("triton")
+    from engine.kernels import gemm
+
+    return gemm
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error (absolute when ref is all zeros)."""
+    out, ref = out.float(), ref.float()
+    den = ref.norm()
+    return float((out - ref).norm() / den) if den > 0 else float((out - ref).norm())
+
+
+def _blocky(rows: int, cols: int, r: int, c: int, seed: int) -> torch.Tensor:
+    """Gaussian (rows, cols) times a per-(r x c)-block magnitude 2**U{-4..4}."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, cols, device="cuda", generator=g)
+    mag = torch.exp2(torch.randint(-4, 5, (-(-rows // r), -(-cols // c)), device="cuda", generator=g).float())
+    return x * mag.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
+
+
+def _block_operands(m: int, n: int, k: int, seed: int = 0):
+    """e4m3:1x128 activations and e4m3:128x128 weights from the formats library."""
+    from engine.formats import quantize
+
+    xq = quantize(_blocky(m, k, 1, 128, seed), "e4m3:1x128")
+    wq = quantize(_blocky(n, k, 128, 128, seed + 1), "e4m3:128x128")
+    assert xq.data.dtype == torch.float8_e4m3fn and xq.scale.shape == (m, -(-k // 128))
+    assert wq.data.dtype == torch.float8_e4m3fn and wq.scale.shape == (-(-n // 128), -(-k // 128))
+    return xq.data, xq.scale, wq.data, wq.scale
+
+
+# ------------------------------------------------------------------ FP8 block
+@pytest.mark.parametrize("m", M_SET)
+@pytest.mark.parametrize("nk", [(256, 512), (200, 320), (136, 1000)])  # N % 128 != 0, K % 128 != 0, K % 16 != 0
+def test_fp8_block_linear_random(G, m, nk):
+    """Both paths (Triton for M <= 64, cuBLAS blockwise above) within tolerance, bf16 and fp32 out."""
+    n, k = nk
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=m)
+    for dt in (torch.bfloat16, torch.float32):
+        out = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=dt)
+        ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert out.shape == (m, n) and out.dtype == dt
+        err = _rel(out, ref)
+        assert err <= TOL[dt], f"M={m} N={n} K={k} {dt}: rel err {err:.3e} > {TOL[dt]}"
+
+
+@pytest.mark.parametrize("m", [3, 64, 130])
+def test_fp8_block_linear_bias_and_leading_dims(G, m):
+    """Bias (N,) is added once; (B, T, K) activations give (B, T, N)."""
+    n, k = 192, 384
+    xd, xs, wd, ws = _block_operands(2 * m, n, k, seed=7)
+    bias = torch.randn(n, device="cuda") * 4
+    x3, s3 = xd.reshape(2, m, k), xs.reshape(2, m, -1)
+    out = G.fp8_block_linear(x3, s3, wd, ws, bias=bias, out_dtype=torch.float32)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    assert out.shape == (2, m, n)
+    assert _rel(out.reshape(2 * m, n), ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 128])
+def test_fp8_block_linear_adversarial(G, m):
+    """Zero rows give exact zeros; amax at 448 (every element +-448) and all-zero K groups stay accurate."""
+    n, k = 256, 640
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=11)
+    xd, xs = xd.clone(), xs.clone()
+    xd[0] = 0  # a zero row quantizes to zeros with scale 1
+    xs[0] = 1.0
+    if m > 2:
+        xd[2, 128:256] = 0  # one all-zero group inside a row
+    out = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+    assert torch.equal(out[0], torch.zeros_like(out[0])), "a zero activation row must give an exact zero row"
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) <= TOL[torch.bfloat16]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sign = lambda r, c: torch.where(torch.rand(r, c, device="cuda", generator=g) < 0.5, -448.0, 448.0)
+    xd448 = sign(m, k).to(torch.float8_e4m3fn)
+    wd448 = sign(n, k).to(torch.float8_e4m3fn)
+    xs448 = torch.rand(m, 5, device="cuda", generator=g) + 0.5
+    ws448 = torch.rand(2, 5, device="cuda", generator=g) + 0.5
+    out = G.fp8_block_linear(xd448, xs448, wd448, ws448, out_dtype=torch.float32)
+    ref = G.fp8_block_linear_reference(xd448, xs448, wd448, ws448, out_dtype=torch.float32)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 63, 64])
+@pytest.mark.parametrize("nk", [(512, 1024), (200, 896)])
+def test_small_m_kernel_matches_large_m_path(G, m, nk):
+    """The Triton decode kernel (small_m=64) equals the cuBLAS blockwise path (small_m=0, M padded to 4),
+    both with bf16 output (the format cuBLAS blockwise is measured with)."""
+    n, k = nk
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=5)
+    small = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, small_m=64)
+    large = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, small_m=0)
+    err = _rel(small, large)
+    assert err <= TOL[torch.bfloat16], f"small-M kernel vs large-M path: {err:.3e}"
+    assert not torch.equal(small, torch.zeros_like(small))
+
+
+def test_split_k_is_deterministic_and_consistent(G):
+    """Split-K changes only the fp32 summation order; the same call twice gives the same bits."""
+    xd, xs, wd, ws = _block_operands(4, 256, 2048, seed=9)
+    one = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, split_k=1)
+    four = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, split_k=4)
+    again = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, split_k=4)
+    assert torch.equal(four, again)
+    assert _rel(four, one) <= 1e-5
+    assert not torch.equal(one, torch.zeros_like(one))
+
+
+def test_triton_large_m_fallback(G):
+    """The Triton kernel with large tiles (used when cuBLAS refuses) is accurate too."""
+    xd, xs, wd, ws = _block_operands(200, 264, 1152, seed=13)
+    out = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) <= TOL[torch.float32]
+
+
+def test_cublas_blockwise_path_runs_on_sm90(G):
+    """On sm_90 with F.scaled_mm the fast path must really run (not silently fall back) and be correct,
+    also at K/128 % 4 != 0 (scale padding) and M % 4 != 0 (row padding)."""
+    if torch.cuda.get_device_capability() != (9, 0) or not G.has_scaled_mm():
+        pytest.skip("cuBLAS blockwise FP8 needs sm_90 and torch.nn.functional.scaled_mm")
+    for m, n, k in [(128, 512, 512), (66, 264, 640), (130, 200, 1000)]:
+        xd, xs, wd, ws = _block_operands(m, n, k, seed=m)
+        out = G.scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+        ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert _rel(out, ref) <= TOL[torch.bfloat16], (m, n, k)
+
+
+@pytest.mark.parametrize("k", [640, 896, 1152])
+def test_k_over_128_mod_4_trap(G, k):
+    """The old `_scaled_mm` with unpadded block scales is silently wrong at K/128 % 4 != 0; ours is not."""
+    m, n = 64, 256
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=k)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    for small_m in (64, 0):  # Triton decode kernel, then cuBLAS with padded scales
+        good = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, small_m=small_m)
+        assert _rel(good, ref) <= TOL[torch.bfloat16], f"fp8_block_linear(small_m={small_m}) wrong at K={k}"
+    try:
+        bad = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        pytest.skip(f"this torch rejects the legacy blockwise _scaled_mm call: {str(exc).splitlines()[0]}")
+    err = _rel(bad, ref)
+    assert err > 0.1, f"legacy _scaled_mm at K={k} gave rel err {err:.3e}: the trap did not reproduce"
+
+
+def test_legacy_call_is_right_when_k_over_128_is_a_multiple_of_4(G):
+    """Control for the trap: at K/128 % 4 == 0 the same legacy call is accurate (so the error above
+    is the scale-layout bug, not a broken call)."""
+    m, n, k = 64, 256, 1024
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=1)
+    try:
+        out = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        pytest.skip(f"this torch rejects the legacy blockwise _scaled_mm call: {str(exc).splitlines()[0]}")
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) <= TOL[torch.bfloat16]
+
+
+def test_bad_operands_raise_clear_errors(G):
+    """Wrong dtypes / scale shapes name the tensor and the expected layout."""
+    xd, xs, wd, ws = _block_operands(4, 256, 512)
+    with pytest.raises(ValueError, match="w_scale must be fp32"):
+        G.fp8_block_linear(xd, xs, wd, ws.t().contiguous())
+    with pytest.raises(ValueError, match="x_scale must be fp32"):
+        G.fp8_block_linear(xd, xs[:, :2], wd, ws)
+    with pytest.raises(ValueError, match="x_data must be torch.float8_e4m3fn"):
+        G.fp8_block_linear(xd.float(), xs, wd, ws)
+    with pytest.raises(ValueError, match="w_data must be"):
+        G.fp8_block_linear(xd, xs, wd[:, :256], ws)
+
+
+# ------------------------------------------------------------------ FP8 per-tensor
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 128])
+def test_fp8_tensor_linear(G, m):
+    """Per-tensor FP8: Triton for M <= 64, cuBLAS tensor-wise above; with bias; N, K not multiples of 16."""
+    from engine.formats import quantize
+
+    for n, k in [(256, 512), (200, 328)]:
+        xq = quantize(torch.randn(m, k, device="cuda") * 3, "e4m3:tensor")
+        wq = quantize(torch.randn(n, k, device="cuda") / 7, "e4m3:tensor")
+        bias = torch.randn(n, device="cuda")
+        for dt in (torch.bfloat16, torch.float32):
+            out = G.fp8_tensor_linear(xq.data, xq.scale, wq.data, wq.scale, bias=bias, out_dtype=dt)
+            ref = G.fp8_tensor_linear_reference(xq.data, xq.scale, wq.data, wq.scale, bias=bias,
+                                                out_dtype=torch.float32)
+            assert _rel(out, ref) <= TOL[dt], (m, n, k, dt)
+
+
+# ------------------------------------------------------------------ MX / NVFP4
+@pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4"])
+def test_prepared_mx_weight_dequantizes_bit_exactly(G, spec):
+    """Repacking (FP4 nibbles, 1-byte scale codes, K padding) loses nothing: same fp32 bits as QTensor.dequantize."""
+    from engine.formats import quantize
+
+    wq = quantize(_blocky(72, 200, 1, 32, seed=2), spec)
+    wp = G.prepare_mx_weight(wq)
+    assert wp.data.shape[1] == (128 if spec != "mxfp8" else 256)
+    assert torch.equal(G.dequantize_mx_weight(wp).view(torch.int32), wq.dequantize().view(torch.int32))
+
+
+def _mx_x(kind: str, m: int, k: int, seed: int):
+    """Activation argument(s) for mx_linear: an mxfp8 QTensor, (data, scale), or a bf16 / fp32 tensor."""
+    from engine.formats import quantize
+
+    x = _blocky(m, k, 1, 32, seed)
+    if kind == "mxfp8":
+        return (quantize(x, "mxfp8"),), {}
+    if kind == "mxfp8_raw":
+        q = quantize(x, "mxfp8")
+        return (q.data,), {"x_scale": q.scale}
+    return (x.to(torch.bfloat16 if kind == "bf16" else torch.float32),), {}
+
+
+def _check_mx(G, wspec: str, xkind: str, m: int, dtypes) -> None:
+    """mx_linear vs mx_linear_reference at N=200, K=352 (K % 128 != 0, N % 64 != 0) with a bias."""
+    from engine.formats import quantize
+
+    n, k = 200, 352
+    wq = quantize(_blocky(n, k, 1, 32, seed=m + 1), wspec)
+    wp = G.prepare_mx_weight(wq)
+    args, kw = _mx_x(xkind, m, k, seed=m)
+    bias = torch.randn(n, device="cuda")
+    ref = G.mx_linear_reference(*args, wp, bias=bias, out_dtype=torch.float32, **kw)
+    for dt in dtypes:
+        tol = TOL[dt] if dt != torch.float32 else TOL_MX_ROUNDED_X if xkind == "fp32" else TOL_MX_EXACT_FP32
+        out = G.mx_linear(*args, wp, bias=bias, out_dtype=dt, **kw)
+        assert out.shape == (m, n) and out.dtype == dt
+        err = _rel(out, ref)
+        assert err <= tol, f"{xkind} x {wspec} M={m} {dt}: rel err {err:.3e} > {tol}"
+
+
+@pytest.mark.parametrize("wspec", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("xkind", ["mxfp8", "mxfp8_raw", "bf16", "fp32"])
+@pytest.mark.parametrize("m", [1, 65])
+def test_mx_linear(G, wspec, xkind, m):
+    """Every (activation, weight) pairing of the dequant-in-kernel GEMM, decode and prefill tiles, fp32 out."""
+    _check_mx(G, wspec, xkind, m, (torch.float32,))
+
+
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("bf16", "nvfp4"), ("bf16", "mxfp4")])
+@pytest.mark.parametrize("m", [2, 3, 5, 63, 64, 200])
+def test_mx_linear_m_sweep(G, pair, m):
+    """Other M (partial row tiles), bf16 output."""
+    xkind, wspec = pair
+    _check_mx(G, wspec, xkind, m, (torch.bfloat16,))
+
+
+@pytest.mark.parametrize("wspec", ["mxfp4", "nvfp4"])
+def test_mx_linear_split_k_and_adversarial(G, wspec):
+    """Forced split-K (the NVFP4 tensor scale then lives in the reduction), zero rows exact, a huge
+    weight block next to tiny ones, and a QTensor weight prepared on the fly."""
+    from engine.formats import quantize
+
+    n, k = 96, 1024
+    w = _blocky(n, k, 1, 32, seed=4)
+    w[:, 64:96] *= 2.0 ** 20
+    wq = quantize(w, wspec)
+    x = _blocky(3, k, 1, 32, seed=6).to(torch.bfloat16)
+    x[1] = 0
+    ref = G.mx_linear_reference(x, wq, out_dtype=torch.float32)
+    outs = [G.mx_linear(x, wq, out_dtype=torch.float32, split_k=s) for s in (1, 4)]
+    for out in outs:
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert _rel(out, ref) <= TOL_MX_EXACT_FP32
+    assert _rel(outs[0], outs[1]) <= 1e-5

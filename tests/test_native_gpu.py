@@ -1,0 +1,107 @@
+"""The cuda-native backend against the bit-exact emulation on the same GPU (skipped without CUDA).
+
+Bounds (stated here, measured values in benchmarks/results/): on the zoo
+models and tiny-llama the native kernels are no worse than the emulation
+against FP32 (KL(R || N) <= 1.25 KL(R || E) + 2e-4) and differ from it by at
+most the format's own error; the quantizer is bit-exact; the
+deliberately broken legacy `_scaled_mm` variant (unpadded 1x128 x 128x128
+scales, K/128 % 4 != 0) is caught by the three-way comparison and blamed on
+the kernel at the first GEMM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = ["bf16", "fp8-tensor", "fp8-block", "fp8-kv", "mxfp8", "w4a16-mxfp4"]
+
+
+def _kld(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Mean per-token KL(p || q) from logits."""
+    lp, lq = torch.log_softmax(p.double(), -1), torch.log_softmax(q.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module", params=["zoo-llama", "zoo-moe", "tiny-llama"])
+def model(request):
+    """(name, Transformer on cuda, tokens) for each model."""
+    from engine.loading import load_model
+    from engine.model import Transformer
+    from evalharness.data import builtin_path
+
+    path = builtin_path("tiny-llama") if request.param == "tiny-llama" else REPO / "zoo" / request.param
+    loaded = load_model(str(path))
+    tokens = torch.randint(0, loaded.cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    return request.param, Transformer(loaded.cfg, loaded.weights).to("cuda"), tokens.cuda()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_native_matches_emulation_within_kernel_noise(model, recipe):
+    """Against FP32 the native kernels are as good as the bit-exact emulation: KL(R || N) <= 1.25 KL(R || E)
+    + 2e-4, and native vs emulation differ by at most the format's own error (KL(E || N) <= KL(R || E) + 2e-4:
+    accumulation order flips FP8 roundings downstream, re-drawing the format noise, never adding a bias);
+    the linear layers really ran native."""
+    from engine.api import Engine
+
+    name, m, x = model
+    ref = Engine(m, "fp32", backend="cuda-emulated").logits(x)
+    emu = Engine(m, recipe, backend="cuda-emulated").logits(x)
+    nat_engine = Engine(m, recipe, backend="cuda-native")
+    nat = nat_engine.logits(x)
+    assert torch.isfinite(nat).all()
+    fmt, ker, tot = _kld(ref, emu), _kld(emu, nat), _kld(ref, nat)
+    print(f"{name} {recipe}: KL(R||E) {fmt:.3e}  KL(E||N) {ker:.3e}  KL(R||N) {tot:.3e}  "
+          f"coverage {dict(nat_engine.nx.coverage)}")
+    assert tot <= 1.25 * fmt + 2e-4 and ker <= fmt + 2e-4, (fmt, ker, tot)
+    cov = nat_engine.nx.coverage_summary()
+    if recipe in ("fp8-block", "fp8-tensor", "bf16", "mxfp8"):
+        assert cov.get("linear.native_frac", 0.0) == 1.0, cov
+
+
+def test_native_quantizer_is_bit_exact():
+    """NativeNumerics.quant (Triton) == engine.formats.quantize, bit for bit, incl. zeros and NaN groups."""
+    from engine.formats import quantize
+    from engine.native import NativeNumerics
+    from engine.recipe import load_recipe
+
+    nx = NativeNumerics(load_recipe("fp8-block"))
+    x = torch.randn(37, 3, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")
+    x[0, 0] = 0.0
+    x[1, 1, 5] = float("nan")
+    got, want = nx.quant(x, "linear.input", "layers.0.attn.qkv"), quantize(x, "e4m3:1x128")
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale.nan_to_num(-1.0), want.scale.nan_to_num(-1.0))
+    assert nx.coverage["quant:native"] == 1
+
+
+def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel():
+    """zoo-llama (hidden 256: K/128 = 2, not a multiple of 4) through the legacy `_scaled_mm` blockwise call:
+    silently wrong GEMMs; the three-way comparison attributes the error to the kernel at layer 0's q."""
+    from engine.api import Engine
+    from engine.loading import load_model
+    from engine.model import Transformer
+    from evalharness.evals import EvalContext, run_eval
+    from evalharness.reference import ReferenceLM
+
+    loaded = load_model(str(REPO / "zoo" / "zoo-llama"))
+    m = Transformer(loaded.cfg, loaded.weights).to("cuda")
+    ctx = EvalContext(engine=Engine(m, "fp8-block", backend="cuda-emulated"), reference=ReferenceLM(loaded, "cuda"),
+                      tokenizer=None, corpus=str(REPO / "zoo" / "zoo-llama" / "heldout_sample.json"),
+                      vocab_size=loaded.cfg.vocab_size, batch_size=4, seed=0, cache={}, bos_id=loaded.cfg.bos_token_id)
+    try:
+        broken, s = run_eval("threeway", ctx, {"windows": 4, "seq_len": 128,
+                                               "native_options": {"legacy_blockwise": True}})
+    except RuntimeError as exc:  # a torch that rejects the unpadded scales cannot reproduce the trap
+        pytest.skip(f"this torch rejects the legacy call: {exc}")
+    good, s_good = run_eval("threeway", ctx, {"windows": 4, "seq_len": 128})
+    print("legacy:", {k: v for k, v in broken.items() if not k.startswith("tap.")}, s["first_kernel_tap"])
+    print("fixed:", {k: v for k, v in good.items() if not k.startswith("tap.")}, s_good["first_kernel_tap"])
+    assert broken["attribution"] == 1.0 and broken["kernel.kld_mean"] > 10 * broken["format.kld_mean"]
+    assert s["first_kernel_tap"] == ["layers.0.attn.q"]
+    assert good["attribution"] == 0.0 and s_good["first_kernel_tap"] == []
