@@ -60,7 +60,8 @@ def moe_block(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: 
     xq = nx.act_quant(flat, tp + "mlp.experts", site="moe.input")  # quantized once, before dispatch
     nx.emit(tp + "mlp_norm", xq.dequantize().reshape(b, t, d))
     experts = [(w[f"{p}mlp.experts.{e}.gate_proj.weight"], w[f"{p}mlp.experts.{e}.up_proj.weight"],
-                w[f"{p}mlp.experts.{e}.down_proj.weight"]) for e in range(moe.num_experts)]
+                w[f"{p}mlp.experts.{e}.down_proj.weight"]) if f"{p}mlp.experts.{e}.gate_proj.weight" in w
+               else None for e in range(moe.num_experts)]  # None: held by another rank (expert parallelism)
     y = nx.moe(flat, xq, w[p + "mlp.gate.weight"], w.get(p + "mlp.gate.e_score_correction_bias"), experts, moe,
                tp + "mlp", tp)  # (tokens, d)
     if moe.shared_intermediate_size:

@@ -14,7 +14,7 @@ taps through `self.tap(name, tensor)` when a tap callback is installed.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from engine.formats import QTensor, parse_spec, quantize
 from engine.formats.accumulate import matmul_accum
 from engine.recipe import HIGH_PRECISION, Recipe
 from engine.routing import dispatch_plan, route
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.parallel import ParallelContext
 
 TapFn = Callable[[str, torch.Tensor], None]
 QuantObserver = Callable[[str, str, QTensor], None]
@@ -49,12 +52,14 @@ class Numerics:
         self.recipe = recipe
         self.tap: Optional[TapFn] = None
         self.observer: Optional[QuantObserver] = None
+        # engine.parallel.ParallelContext under tensor / expert parallelism (set by engine.api.Engine), else None
+        self.parallel: Optional[ParallelContext] = None
 
     # ------------------------------------------------------------------ basics
     def emit(self, name: str, x: torch.Tensor) -> None:
         """Send a tap to the installed callback (no-op without one)."""
         if self.tap is not None:
-            self.tap(name, x)
+            self.tap(name, x if self.parallel is None else self.parallel.gather_tap(name, x))
 
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
         """Quantize `x` with the recipe's spec for (site, module)."""
@@ -107,6 +112,8 @@ class Numerics:
         a = xd.reshape(-1, xd.shape[-1])  # (tokens, K)
         acc = self.recipe.accumulate
         y = F.linear(a, w) if acc == "fp32" else matmul_accum(a, w, acc)  # (tokens, N)
+        if self.parallel is not None:  # row-parallel GEMM: sum the ranks' fp32 partials, then bias and rounding
+            y = self.parallel.reduce_partial(y, module)
         if bias is not None:
             y = y + bias.float()
         y = y.reshape(*lead, w.shape[0])  # (..., N)
@@ -168,32 +175,51 @@ class Numerics:
         return F.linear(x.to(dtype), w.to(dtype)).float()
 
     def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
-            experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cfg: MoeConfig, module: str,
+            experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None], cfg: MoeConfig, module: str,
             tap: str) -> torch.Tensor:
         """Routed experts of one MoE layer: (tokens, d) -> (tokens, d) fp32, the weighted sum over each token's top-k.
 
         x: (tokens, d) high-precision normed hidden (router input); xq: the same tokens
         quantized once at site `moe.input` (the experts' input, quantized before
-        dispatch); experts[e] = prepared (gate, up, down) weights (site `moe.weight`).
+        dispatch); experts[e] = prepared (gate, up, down) weights (site `moe.weight`),
+        None for an expert held by another rank (expert parallelism).
         Emits `{tap}moe.router_logits` (tokens, experts) fp32 and `{tap}moe.topk`
         (tokens, k) int64. Token copies are sorted by expert, each expert's
-        contiguous segment runs SwiGLU through `_gemm` (down_proj input quantized
-        per segment at `moe.input`), outputs are scaled by the routing weights
-        in fp32 and summed back per token with index_add.
+        contiguous segment runs SwiGLU (`run_experts`), outputs are scaled by the
+        routing weights in fp32 and summed back per token with index_add. Under
+        expert parallelism the copies travel to the experts' ranks and back
+        (`engine.parallel.ParallelContext.moe`).
         """
         n, d = x.shape
         logits = self.router(x, router_w, module + ".gate")  # (tokens, experts)
         self.emit(tap + "moe.router_logits", logits)
         weights, ids = route(logits, cfg, correction_bias)  # (tokens, k) each
         self.emit(tap + "moe.topk", ids)
+        if self.parallel is not None and self.parallel.ep > 1:
+            return self.parallel.moe(self, xq, weights, ids, experts, module)
         plan = dispatch_plan(ids, cfg.num_experts)
         xs = xq.dequantize().reshape(n, d).index_select(0, plan.token)  # (tokens*k, d), expert-contiguous
+        y = self.run_experts(xs, plan.counts, experts, module) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
+        return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+
+    def run_experts(self, xs: torch.Tensor, counts: Sequence[int],
+                    experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
+                    module: str) -> torch.Tensor:
+        """SwiGLU of expert-contiguous token copies xs (rows, d) -> (rows, d) fp32, before the routing weights.
+
+        counts[e] rows (in order of e) belong to expert e; gate/up run through
+        `_gemm` on each segment, the down_proj input is quantized at `moe.input`
+        (one quantization of all segments when the format is row-local, else
+        one per expert), down_proj through `_gemm`.
+        """
         segments = []  # (expert, start, count) of every non-empty expert
         start = 0
-        for e, count in enumerate(plan.counts):
+        for e, count in enumerate(counts):
             if count:
                 segments.append((e, start, count))
                 start += count
+        if not segments:
+            return xs.new_zeros(0, xs.shape[1])
         acts = []
         for e, s0, count in segments:
             path = f"{module}.experts.{e}"
@@ -211,8 +237,7 @@ class Numerics:
             for (e, _, _), act in zip(segments, acts):
                 path = f"{module}.experts.{e}.down_proj"
                 outs.append(self.linear(self.act_quant(act, path, site="moe.input"), experts[e][2], None, path))
-        y = torch.cat(outs) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
-        return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+        return torch.cat(outs)  # (rows, d)
 
     def _rowwise_spec(self, site: str, modules: Sequence[str]) -> str | None:
         """The common spec of `site` over `modules` when it quantizes every row independently, else None.
