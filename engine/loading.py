@@ -2,6 +2,18 @@
 (offline from the local cache), and llama2.c checkpoints.
 
 Only safe formats are read: safetensors, or the raw fp32 llama2.c layout.
+
+Memory: a checkpoint is read tensor by tensor through `safetensors.safe_open`
+(one shard mapped at a time, never a whole-file dict), each tensor converted
+to fp32 on its own (a bf16 / fp16 checkpoint never exists twice in memory),
+so the host peak is one fp32 copy of the weights plus one tensor and the
+mapped pages of the shard being read. Routed experts are written straight
+into one fp32 stack per layer and projection, in transformers' in-memory
+layout (``mlp.experts.gate_up_proj`` (experts, 2*inter, d), gate rows first;
+``mlp.experts.down_proj`` (experts, d, inter)), so that the engine (which
+takes per-expert views of the stacks, `engine.weights.canonical_weights`)
+and the FP32 reference (which takes the stacks as its parameters) share the
+same storage: one copy of the weights serves both.
 """
 
 from __future__ import annotations
@@ -18,13 +30,15 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import WeightsError
+from engine.weights import expected_shapes
 
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A model's config, fp32 weights (HF names) and where they came from."""
+    """A model's config, fp32 weights (HF names; routed experts stacked, see the module docstring) and
+    where they came from. The engine's `Transformer` and the reference take these tensors without copying."""
 
     cfg: ModelConfig
     hf_config: dict[str, Any]
@@ -32,6 +46,26 @@ class LoadedModel:
     source: str
     directory: str | None
     sha256: str
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one copy of the weights (fp32), counting shared storage once."""
+        seen: dict[int, int] = {}
+        for t in self.weights.values():
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    def to(self, device: torch.device | str) -> "LoadedModel":
+        """Move the weights to `device` one tensor at a time, in place; returns self.
+
+        Each host tensor is released as soon as its device copy exists (when nothing else holds
+        it), so the host never holds more than the not-yet-moved part. Done before building the
+        engine and a reference on the same device, both then share the device copy.
+        """
+        for name in list(self.weights):
+            self.weights[name] = self.weights[name].to(device)
+        return self
 
 
 def _hash_files(paths: list[Path]) -> str:
@@ -44,11 +78,88 @@ def _hash_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _read_safetensors(directory: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    """Read every tensor of a (possibly sharded) safetensors checkpoint as fp32."""
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
+# Per-expert checkpoint tensors: DeepSeek / Qwen / OLMoE spelling and Mixtral's w1 (gate) / w3 (up) / w2 (down).
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
+
+class _ExpertStacks:
+    """Fills one fp32 stack per MoE layer and projection from per-expert checkpoint tensors.
+
+    ``model.layers.{i}.mlp.experts.gate_up_proj`` (experts, 2*inter, d): expert e's gate
+    projection in rows [0, inter), its up projection in rows [inter, 2*inter);
+    ``model.layers.{i}.mlp.experts.down_proj`` (experts, d, inter). A stack is allocated
+    when its layer's first expert tensor is read; `missing` lists the slots never filled.
+    """
+
+    def __init__(self, cfg: ModelConfig, where: str):
+        self.cfg, self.where = cfg, where
+        self.stacks: dict[str, torch.Tensor] = {}
+        self.filled: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> checkpoint name
+
+    def slot(self, name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, part) of a routed-expert tensor this config uses, else None."""
+        m = _EXPERT.match(name)
+        if m is None or self.cfg.moe is None:
+            return None
+        layer, expert = int(m.group(1)), int(m.group(2))
+        if layer >= self.cfg.num_layers or not self.cfg.is_moe(layer) or expert >= self.cfg.moe.num_experts:
+            return None
+        return layer, expert, _PART[m.group(3)]
+
+    def put(self, name: str, slot: tuple[int, int, str], t: torch.Tensor) -> None:
+        """Copy checkpoint tensor `name` (any float dtype) into its fp32 slot."""
+        layer, e, part = slot
+        moe, d = self.cfg.moe, self.cfg.hidden_size
+        inter = moe.intermediate_size
+        shape = (d, inter) if part == "down" else (inter, d)
+        if tuple(t.shape) != shape:
+            raise WeightsError(f"{self.where}: tensor '{name}' has shape {tuple(t.shape)}, config expects {shape}")
+        kind = "down_proj" if part == "down" else "gate_up_proj"
+        key = f"model.layers.{layer}.mlp.experts.{kind}"
+        if key not in self.stacks:
+            full = (moe.num_experts, d, inter) if part == "down" else (moe.num_experts, 2 * inter, d)
+            self.stacks[key] = torch.empty(full, dtype=torch.float32)
+        dst = self.stacks[key][e]  # (d, inter) or (2*inter, d)
+        if part == "gate":
+            dst = dst[:inter]
+        elif part == "up":
+            dst = dst[inter:]
+        dst.copy_(t)  # converts bf16 / fp16 to fp32 in place: no second full-size temporary
+        self.filled[slot] = name
+
+    def missing(self) -> list[str]:
+        """Checkpoint-style names of the expert tensors a started stack still lacks."""
+        out = []
+        for key in self.stacks:
+            layer = int(_STACKED.match(key).group(1))
+            parts = ("down",) if key.endswith("down_proj") else ("gate", "up")
+            for e in range(self.cfg.moe.num_experts):
+                out += [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for p in parts
+                        if (layer, e, p) not in self.filled]
+        return out
+
+
+def _wanted(cfg: ModelConfig, needed: set[str], name: str) -> str | None:
+    """The name a non-expert checkpoint tensor is kept under, or None when the model does not use it.
+
+    Mixtral's router moves to the ``mlp.gate`` spelling transformers uses in memory; already-stacked
+    expert tensors (a transformers-5 state dict saved as is) pass through. Tensors of layers beyond
+    the config (e.g. DeepSeek-V3's multi-token-prediction layer) and a tied ``lm_head`` are skipped,
+    so they never take memory.
+    """
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+    m = _STACKED.match(name)
+    if m is not None:
+        layer = int(m.group(1))
+        return name.removesuffix(".weight") if layer < cfg.num_layers and cfg.is_moe(layer) else None
+    return name if name in needed else None
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by its index, else every *.safetensors file."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -63,16 +174,40 @@ def _read_safetensors(directory: Path) -> tuple[dict[str, torch.Tensor], list[Pa
             f"{directory}: no *.safetensors files (only safetensors checkpoints are loaded; "
             "convert .bin/.pt checkpoints with transformers' save_pretrained(safe_serialization=True))"
         )
+    return files
+
+
+def _read_safetensors(directory: Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """Read the tensors `cfg` needs from a (possibly sharded) safetensors checkpoint as fp32, one at a time.
+
+    Returns (weights by name, shard files). Routed experts come back stacked (see `_ExpertStacks`).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files = _shard_files(directory)
     weights: dict[str, torch.Tensor] = {}
+    experts = _ExpertStacks(cfg, str(directory))
+    needed = set(expected_shapes(cfg))
     for f in files:
         if not f.exists():
             raise WeightsError(f"{f}: shard named in the index is missing")
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    weights[name] = st.get_tensor(name).float()
+                    slot = experts.slot(name)
+                    if slot is not None:
+                        experts.put(name, slot, st.get_tensor(name))
+                        continue
+                    keep = _wanted(cfg, needed, name)
+                    if keep is not None:
+                        weights[keep] = st.get_tensor(name).float()  # no copy when already fp32
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise WeightsError(f"{f}: corrupt or truncated safetensors file ({exc}); re-download or re-export it") from None
+    missing = experts.missing()
+    if missing:
+        raise WeightsError(f"{directory}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}")
+    weights.update(experts.stacks)
     return weights, files
 
 
@@ -123,7 +258,5 @@ def load_model(source: str) -> LoadedModel:
     except json.JSONDecodeError as exc:
         raise WeightsError(f"{cfg_path}: not valid JSON ({exc})") from None
     cfg = ModelConfig.from_hf(hf_config, where=str(cfg_path))
-    weights, files = _read_safetensors(directory)
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+    weights, files = _read_safetensors(directory, cfg)
     return LoadedModel(cfg, hf_config, weights, source, str(directory), _hash_files([cfg_path, *files]))

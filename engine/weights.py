@@ -134,6 +134,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """No NaN / Inf in `t`, checked about `chunk` elements at a time along dim 0 (views: no full-size temporaries,
+    which `isfinite` of a whole embedding would allocate several times over)."""
+    if t.dim() == 0:
+        return bool(torch.isfinite(t))
+    rows = max(1, chunk // max(1, t[0].numel())) if t.dim() > 1 else chunk
+    return all(bool(torch.isfinite(part).all()) for part in t.split(rows))
+
+
 def check_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: str) -> None:
     """Raise `WeightsError` naming the first missing / misshapen / non-finite tensor."""
     shapes = expected_shapes(cfg)
@@ -144,7 +153,7 @@ def check_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: 
         t = weights[name]
         if tuple(t.shape) != shape:
             raise WeightsError(f"{where}: tensor '{name}' has shape {tuple(t.shape)}, config expects {shape}")
-        if not torch.isfinite(t).all():
+        if not _all_finite(t):
             raise WeightsError(f"{where}: tensor '{name}' holds NaN/Inf values; the checkpoint is corrupt")
 
 

@@ -3,6 +3,15 @@
 Forward hooks map HF module names to the engine's canonical tap names, so the
 per-layer eval can compare the two implementations tap by tap. An FP64 CPU
 reference (`precision="fp64"`) measures the reference's own noise floor.
+
+Memory: the HF model is built on the meta device (no storage) and then takes
+the loader's fp32 tensors as its parameters (`load_state_dict(assign=True)`),
+so for an fp32 reference on the device the weights already live on, the
+reference costs no weight memory of its own: it shares every tensor with the
+engine's master weights (`engine.loading`). Only RoPE tables (non-persistent
+buffers) are computed afresh. On another device (``ReferenceLM(loaded,
+device="cpu")`` next to a CUDA engine) it holds its own copy there; the evals
+bring engine and reference tensors to one device before comparing them.
 """
 
 from __future__ import annotations
@@ -23,24 +32,71 @@ def disable_tf32() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def _hf_config(loaded: LoadedModel):
+    """The transformers config object of `loaded` (read from its folder when it has one)."""
+    import transformers
+
+    if loaded.directory is not None:
+        return transformers.AutoConfig.from_pretrained(loaded.directory, local_files_only=True)
+    return transformers.AutoConfig.for_model(**loaded.hf_config)
+
+
+def _rebuild_buffers(model, config) -> None:
+    """Give the meta-device model real non-persistent buffers (RoPE `inv_freq`): they are in no checkpoint.
+
+    Each module owning such a buffer (transformers' rotary embeddings: no parameters, built from the
+    config alone) is instantiated once on the CPU and its buffers are taken over.
+    """
+    for name, mod in model.named_modules():
+        if not any(b.is_meta for b in mod.buffers(recurse=False)):
+            continue
+        if any(True for _ in mod.parameters(recurse=False)):
+            raise RuntimeError(f"reference: module '{name}' ({type(mod).__name__}) holds parameters and meta "
+                               "buffers; this transformers version builds it differently than expected")
+        try:
+            fresh = type(mod)(getattr(mod, "config", config))
+        except TypeError as exc:
+            raise RuntimeError(f"reference: cannot rebuild module '{name}' ({type(mod).__name__}) from the config "
+                               f"({exc}); this transformers version is not supported") from None
+        for bname, buf in fresh.named_buffers(recurse=False):
+            mod.register_buffer(bname, buf, persistent=False)
+
+
 def build_hf_model(loaded: LoadedModel, precision: str = "fp32"):
-    """An HF causal LM with the same weights: `from_pretrained` for directories, else from the state dict."""
+    """An HF causal LM (eval mode, eager attention) whose parameters ARE `loaded.weights` (fp32: no copy).
+
+    The model is built on the meta device, then each parameter / persistent buffer is assigned the
+    loader's tensor of the same name (transformers' in-memory names; routed experts stacked as
+    transformers holds them). `precision="fp64"` converts each tensor (a copy, for the noise floor).
+    """
     import transformers
 
     dtype = _DTYPES[precision]
-    if loaded.directory is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            loaded.directory, dtype=dtype, local_files_only=True, attn_implementation="eager")
-    else:
-        config = transformers.AutoConfig.for_model(**loaded.hf_config)
+    config = _hf_config(loaded)
+    with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
-        state = {k: v.to(dtype) for k, v in loaded.weights.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and loaded.cfg.tie_word_embeddings)]
-        if missing or unexpected:
-            raise RuntimeError(f"reference for {loaded.source}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if loaded.cfg.tie_word_embeddings:
-            model.tie_weights()
+    tied = loaded.cfg.tie_word_embeddings
+    state, missing = {}, []
+    for key, meta in model.state_dict().items():
+        t = loaded.weights.get(key)
+        if t is None:
+            if not (key == "lm_head.weight" and tied):
+                missing.append(key)
+            continue
+        if tuple(t.shape) != tuple(meta.shape):
+            raise RuntimeError(f"reference for {loaded.source}: tensor '{key}' has shape {tuple(t.shape)}, "
+                               f"transformers expects {tuple(meta.shape)}")
+        state[key] = t if t.dtype == dtype else t.to(dtype)
+    if missing:
+        raise RuntimeError(f"reference for {loaded.source}: no weight for {len(missing)} transformers "
+                           f"parameter(s), e.g. {missing[:3]} (transformers >= 5 names are expected)")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    _rebuild_buffers(model, config)
+    still_meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"reference for {loaded.source}: tensors left without storage: {still_meta[:3]}")
     return model.eval()
 
 
