@@ -2,6 +2,7 @@
 
     evalharness run SUITE.yaml [--out DIR] [--data-dir DIR] [--device auto|cpu|cuda] [--resume] [--set KEY=VALUE]...
                                [--tracking-uri URI] [--experiment NAME] [--no-tracking]
+                               (data parallel: `torchrun --nproc-per-node N -m evalharness.cli run ...`)
     evalharness gate RESULTS_DIR [--baselines DIR] [--junit FILE] [--summary FILE] [--allow-missing]
     evalharness baseline update RESULTS_DIR [--baselines DIR] [--dry-run]
     evalharness log RESULTS_DIR [--tracking-uri URI] [--experiment NAME] [--force]
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--data-dir", default=None, help="shared data folder (default: $EVALHARNESS_DATA_DIR)")
     r.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="override the suite's backend device (default: the suite's backend)")
+    r.add_argument("--backend", default=None, choices=["cpu-emulated", "cuda-emulated", "cuda-native"],
+                   help="run every RunSpec on this backend (overrides the suite's backend and --device)")
     r.add_argument("--resume", action="store_true", help="skip runs whose result file is already finished")
     r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a suite field; model=PATH_OR_HF_ID and recipe=NAME_OR_YAML replace that axis")
@@ -166,32 +169,44 @@ def _cmd_run(args) -> int:
     from evalharness.suite import load_suite
 
     suite0 = load_suite(args.suite, sets=args.sets, data_dir=args.data_dir)
-    backend = resolve_backend(suite0.runs[0].backend, args.device)
-    suite = suite0 if backend == suite0.runs[0].backend else load_suite(
-        args.suite, sets=args.sets, data_dir=args.data_dir, backend=backend)
+    backends = sorted({r.backend for r in suite0.runs})
+    backend = args.backend or (resolve_backend(backends[0], args.device) if args.device else None)
+    suite = suite0 if backend is None else load_suite(args.suite, sets=args.sets, data_dir=args.data_dir,
+                                                       backend=backend)
+    backend = backend or ", ".join(backends)
     from evalharness.gate import validate_rules  # fail fast on bad gate rules, naming the suite file
 
     validate_rules(suite.raw.get("gate"), str(suite.path))
-    print(f"suite '{suite.name}': {len(suite.runs)} run(s) on {backend} -> {args.out}", file=sys.stderr)
-    on_result, tracker = None, None
-    if not args.no_tracking:  # mlflow is a view: a failure warns once and the run goes on
-        from evalharness.tracking import make_result_logger
+    from evalharness import distributed  # under torchrun: RunSpecs spread over the ranks, rank 0 writes
 
-        on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
+    dp = distributed.init_from_env("cuda" if any(r.backend.startswith("cuda") for r in suite.runs) else "cpu")
+    lead = dp is None or dp.rank == 0
     try:
-        from evalharness.progress import ProgressLog
+        if lead:
+            ranks = f" over {dp.world} processes" if dp is not None else ""
+            print(f"suite '{suite.name}': {len(suite.runs)} run(s) on {backend}{ranks} -> {args.out}", file=sys.stderr)
+        on_result, tracker = None, None
+        if not args.no_tracking and lead:  # mlflow is a view: a failure warns once and the run goes on
+            from evalharness.tracking import make_result_logger
 
-        outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=ProgressLog())
-    except BaseException:
-        if tracker is not None:
-            tracker.close("KILLED")
-        raise
+            on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
+        try:
+            from evalharness.progress import ProgressLog
+
+            outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=ProgressLog())
+        except BaseException:
+            if tracker is not None:
+                tracker.close("KILLED")
+            raise
+    finally:
+        distributed.shutdown()
     if tracker is not None:
         tracker.close("FINISHED")
         if tracker.summary():
             print(tracker.summary(), file=sys.stderr)
-    docs = [load_result(o.path) for o in outcomes]
-    print(results_table(docs))
+    if lead:
+        docs = [load_result(o.path) for o in outcomes]
+        print(results_table(docs))
     if any(o.bad_input for o in outcomes):
         return 2
     return 1 if any(o.status == "error" for o in outcomes) else 0

@@ -1,6 +1,12 @@
 """Runs a suite: for each model, load the weights once, build the FP32 reference once,
 then for each recipe x serving config build the engine, run the evals, and write
-the result file atomically as soon as that run finishes."""
+the result file atomically as soon as that run finishes.
+
+Memory of one model group (README "Memory"): the loader's fp32 weights (one
+copy, shared by the engine's master weights and, on the same device, by the
+reference), plus one recipe's prepared weights at a time. The suite's
+`reference_device` (auto | cpu | cuda) puts the reference elsewhere than the
+engine, e.g. on the host when it does not fit on the GPU next to the engine."""
 
 from __future__ import annotations
 
@@ -14,10 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from engine.api import Engine
+from engine.api import Engine, ParallelConfig
 from engine.loading import LoadedModel, load_model
 from engine.model import Transformer
-from evalharness import provenance
+from evalharness import distributed, provenance
 from evalharness.data import builtin_path
 from evalharness.errors import BAD_INPUT
 from evalharness.evals import EvalContext, run_eval
@@ -39,11 +45,12 @@ class RunOutcome:
 
 
 def resolve_backend(suite_backend: str, device: str | None) -> str:
-    """`--device` overrides the suite's backend: cpu -> cpu-emulated, cuda -> cuda-emulated, auto -> best available."""
+    """`--device` overrides the suite's backend device: cpu -> cpu-emulated; cuda -> the suite's cuda backend
+    (cuda-emulated or cuda-native), else cuda-emulated; auto -> cuda when available."""
     if device in (None, ""):
         return suite_backend
     if device == "auto":
-        return "cuda-emulated" if torch.cuda.is_available() else "cpu-emulated"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return "cpu-emulated"
     if device.startswith("cuda"):
@@ -51,10 +58,24 @@ def resolve_backend(suite_backend: str, device: str | None) -> str:
             from evalharness.errors import HarnessError
 
             raise HarnessError("--device cuda: no CUDA GPU is visible on this machine (use --device cpu or auto)")
-        return "cuda-emulated"
+        return suite_backend if suite_backend.startswith("cuda") else "cuda-emulated"
     from evalharness.errors import HarnessError
 
     raise HarnessError(f"--device must be auto, cpu or cuda, got '{device}'")
+
+
+def resolve_reference_device(setting: str, engine_device: str) -> str:
+    """The device the FP32 reference runs on: `auto` -> the engine's device, else `cpu` / `cuda` as asked."""
+    from evalharness.errors import SuiteError
+    from evalharness.suite import REFERENCE_DEVICES
+
+    if setting not in REFERENCE_DEVICES:
+        raise SuiteError(f"reference_device must be one of {list(REFERENCE_DEVICES)}, got {setting!r}")
+    if setting == "auto":
+        return engine_device
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise SuiteError("reference_device: cuda, but no CUDA GPU is visible on this machine (use cpu or auto)")
+    return setting
 
 
 def _model_source(model: dict[str, Any]) -> str:
@@ -84,7 +105,7 @@ def _load_tokenizer(model: dict[str, Any], loaded: LoadedModel):
 
 def _result_doc(spec: RunSpec, suite: Suite, status: str, metrics: dict, samples: dict, timing: dict,
                 error: dict | None, model_sha: str | None, data_sha: dict, device: str,
-                counters: dict[str, int]) -> dict[str, Any]:
+                counters: dict[str, int], reference_device: str | None = None) -> dict[str, Any]:
     """Assemble a result document (see evalharness.results for the schema)."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -96,6 +117,7 @@ def _result_doc(spec: RunSpec, suite: Suite, status: str, metrics: dict, samples
             "git_sha": provenance.git_sha(), "created_at": provenance.now_iso(),
             "packages": provenance.package_versions(), "hardware": provenance.hardware_fingerprint(device),
             "model_sha256": model_sha, "data_sha256": data_sha, "seed": spec.seed,
+            "reference_device": reference_device,
         },
         "status": status,
         "error": error,
@@ -121,8 +143,14 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
               on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
     """Run every RunSpec of `suite` into `out_dir`; never loses a finished result.
-    `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging)."""
+    `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging).
+    Under torchrun the RunSpecs are spread over the ranks and rank 0 writes every file
+    (`evalharness.distributed`); a RunSpec needing more ranks than there are is a SuiteError."""
     out = Path(out_dir)
+    dp = distributed.current()
+    distributed.check_world(suite.runs, dp.world if dp is not None else 1)
+    if dp is not None:
+        return _run_suite_parallel(suite, out, resume, log, on_result, dp)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "suite.json", suite.manifest())
     for msg in suite.skipped:
@@ -147,18 +175,92 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
     return outcomes
 
 
+def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[str], None],
+                        on_result: Callable[[Path, dict], None] | None,
+                        dp: distributed.DataParallel) -> list[RunOutcome]:
+    """`run_suite` over a torchrun world: each rank runs its share of the RunSpecs (`distributed.schedule`),
+    rank 0 writes its results as they finish and the others' when they are gathered at the end."""
+    lead = dp.rank == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "suite.json", suite.manifest())
+        for msg in suite.skipped:
+            log(f"skipped: {msg}")
+    finished = set(dp.broadcast([i for i, s in enumerate(suite.runs) if resume and is_finished(out / f"{s.key}.json")]
+                                if lead else None))
+    pending = [i for i in range(len(suite.runs)) if i not in finished]
+    placement = distributed.schedule([suite.runs[i] for i in pending], dp.world)
+    dp.make_groups(placement)
+    ranks_of = dict(zip(pending, placement))
+    mine = [i for i in pending if dp.rank in ranks_of[i]]
+    index = {suite.runs[i].key: i for i in mine}
+    say = log if lead else (lambda s: log(f"[rank {dp.rank}] {s}"))
+    say(f"rank {dp.rank} of {dp.world}: {len(mine)} of {len(pending)} run(s) here")
+    led: dict[int, tuple[dict, RunOutcome]] = {}  # runs this rank leads (first rank of their group)
+    docs: dict[int, dict] = {}
+
+    def sink(spec: RunSpec, path: Path, doc: dict) -> None:
+        i = index[spec.key]
+        if ranks_of[i][0] != dp.rank:
+            return  # a model-parallel peer: the group's first rank reports the run
+        if lead:
+            write_json_atomic(path, doc)
+            _notify(on_result, path, doc, log)
+        docs[i] = doc
+
+    def place(spec: RunSpec):
+        ranks = ranks_of[index[spec.key]]
+        return dp.groups.get(ranks) if len(ranks) > 1 else None
+
+    done = 0
+    for _, group in groupby(mine, key=lambda i: suite.runs[i].model["name"]):
+        ids = list(group)
+        outs = _run_model_group(suite, [suite.runs[i] for i in ids], out, say, done, len(mine), None, sink=sink,
+                                place=place, ref_cache=lead)
+        done += len(ids)
+        led.update({i: (docs[i], o) for i, o in zip(ids, outs) if i in docs})
+    gathered = dp.gather({i: (None if lead else doc, o) for i, (doc, o) in led.items()})
+    outcomes: list[RunOutcome] | None = None
+    if lead:
+        for part in gathered[1:]:
+            for i, (doc, _) in part.items():
+                path = out / f"{suite.runs[i].key}.json"
+                write_json_atomic(path, doc)
+                _notify(on_result, path, doc, log)
+        reported = {i: o for part in gathered for i, (_, o) in part.items()}
+        outcomes = [reported[i] if i in reported else
+                    RunOutcome(s.key, "skipped", out / f"{s.key}.json", {}) for i, s in enumerate(suite.runs)]
+        for i in sorted(finished):
+            log(f"{suite.runs[i].key}: already finished (resume), skipped")
+    return dp.broadcast(outcomes)
+
+
 def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: int, total: int,
-                     on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
-    """Load one model (and its reference) once, then run each of its RunSpecs."""
+                     on_result: Callable[[Path, dict], None] | None = None, sink=None, place=None,
+                     ref_cache: bool = True) -> list[RunOutcome]:
+    """Load one model (and its reference) once, then run each of its RunSpecs.
+
+    `sink(spec, path, doc)` takes each result document (default: write it, then `on_result`);
+    `place(spec)` gives the process group of a model-parallel RunSpec (default: none);
+    `ref_cache=False` keeps the reference cache off disk (non-zero ranks write nothing).
+    """
+    if sink is None:
+        def sink(spec: RunSpec, path: Path, doc: dict) -> None:
+            write_json_atomic(path, doc)
+            _notify(on_result, path, doc, log)
     model = runs[0].model
     device = "cuda" if runs[0].backend.startswith("cuda") else "cpu"
     outcomes = []
     t0 = time.time()
+    ref_device = None
     try:
+        ref_device = resolve_reference_device(suite.reference_device, device)
         torch.manual_seed(runs[0].seed)
         loaded = load_model(_model_source(model))
         tokenizer = _load_tokenizer(model, loaded)
-        reference = ReferenceLM(loaded, device=device)
+        if ref_device == device != "cpu":
+            loaded.to(device)  # one device copy, shared by the reference and the engine's master weights
+        reference = ReferenceLM(loaded, device=ref_device)
         base_model = Transformer(loaded.cfg, loaded.weights, where=loaded.source).to(device)
     except BAD_INPUT as exc:
         msg = f"model '{model['name']}': {exc}"
@@ -166,13 +268,13 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         for spec in runs:
             path = out / f"{spec.key}.json"
             doc = _result_doc(spec, suite, "error", {}, {}, {}, {"type": type(exc).__name__, "message": msg},
-                              None, {}, device, {})
-            write_json_atomic(path, doc)
-            _notify(on_result, path, doc, log)
+                              None, {}, device, {}, ref_device)
+            sink(spec, path, doc)
             outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=True))
         return outcomes
-    log(f"loaded model '{model['name']}' ({loaded.cfg.num_layers} layers, vocab {loaded.cfg.vocab_size}) "
-        f"and its FP32 reference in {time.time() - t0:.1f}s")
+    log(f"loaded model '{model['name']}' ({loaded.cfg.num_layers} layers, vocab {loaded.cfg.vocab_size}, "
+        f"{loaded.weight_bytes / 2**20:.0f} MiB fp32) and its FP32 reference (on {ref_device}) "
+        f"in {time.time() - t0:.1f}s")
     cache: dict[str, Any] = {}
     counters: dict[str, int] = {}
     bos_id = getattr(tokenizer, "bos_id", None) if tokenizer is not None else loaded.cfg.bos_token_id
@@ -185,11 +287,15 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         data_sha: dict[str, str] = {}
         error = None
         try:
-            engine = Engine(base_model, spec.recipe, backend=spec.backend)
+            engine_for = _engine_factory(base_model, spec, place(spec) if place is not None else None)
+            own = distributed.serving_parallel(spec.serving)
+            engine = engine_for(own.tp, own.ep)
+            engine.default_prefill_chunk = spec.serving.get("prefill_chunk")
             ctx = EvalContext(engine=engine, reference=reference, tokenizer=tokenizer, corpus=model["corpus"],
                               vocab_size=loaded.cfg.vocab_size, batch_size=spec.serving["batch_size"],
                               seed=spec.seed, cache=cache, counters=counters, bos_id=bos_id,
-                              ref_cache_dir=str(out / "ref_cache"), model_sha=loaded.sha256,
+                              ref_cache_dir=str(out / "ref_cache") if ref_cache else None, model_sha=loaded.sha256,
+                              engine_for=engine_for, parallel=(own.tp, own.ep),
                               data_dir=str(suite.data_dir) if suite.data_dir else None)  # for the tasks eval
             for name, cfg in spec.evals.items():
                 te = time.time()
@@ -200,6 +306,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
                 if s:
                     samples[name] = s
             data_sha = dict(ctx.data_hashes)
+            if hasattr(engine.nx, "coverage_summary"):  # cuda-native: which ops really ran on native kernels
+                metrics.update({f"native.{k}": v for k, v in engine.nx.coverage_summary().items()})
             status = "ok"
         except BAD_INPUT as exc:
             status, error = "error", {"type": type(exc).__name__, "message": str(exc), "bad_input": True}
@@ -207,15 +315,29 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             status = "error"
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc(limit=8)}
         timing["total_s"] = round(time.time() - t_run, 3)
+        engine = ctx = engine_for = None  # drop this recipe's prepared weights before the next one is built
         doc = _result_doc(spec, suite, status, metrics, samples, timing, error, loaded.sha256, data_sha, device,
-                          dict(counters))
-        write_json_atomic(path, doc)
+                          dict(counters), ref_device)
+        sink(spec, path, doc)
         n = done + i + 1
         if status == "ok":
             log(f"[{n}/{total}] {spec.key}: ok in {timing['total_s']:.1f}s")
         else:
             log(f"[{n}/{total}] {spec.key}: ERROR {error['type']}: {error['message']}")
-        _notify(on_result, path, doc, log)
         outcomes.append(RunOutcome(spec.key, status, path, metrics, error["message"] if error else None,
                                    bad_input=bool(error and error.get("bad_input"))))
     return outcomes
+
+
+def _engine_factory(base_model: Transformer, spec: RunSpec, group) -> Callable[[int, int], Engine]:
+    """`engine_for(tp, ep)`: the RunSpec's engine at that parallel degree (built once each), on `group`."""
+    engines: dict[tuple[int, int], Engine] = {}
+    options = {k: spec.serving[k] for k in ("attn_block", "small_m") if k in spec.serving}
+
+    def engine_for(tp: int, ep: int) -> Engine:
+        if (tp, ep) not in engines:
+            engines[(tp, ep)] = Engine(base_model, spec.recipe, backend=spec.backend,
+                                       parallel=ParallelConfig(tp=tp, ep=ep), group=group, **options)
+        return engines[(tp, ep)]
+
+    return engine_for

@@ -381,7 +381,8 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
             continue
         runs = _variant_runs(e, suite.runs, mnames)
         vdir = out / "variants" / e.id
-        vsuite = Suite(path=suite.path, raw=suite.raw, data_dir=suite.data_dir, runs=runs, skipped=[])
+        vsuite = Suite(path=suite.path, raw=suite.raw, data_dir=suite.data_dir, runs=runs, skipped=[],
+                       reference_device=suite.reference_device)
         run_suite(vsuite, vdir, log=lambda s: None)
         keys = {r.key for r in runs}
         for p in base_dir.glob("*.json"):  # carry the unchanged cells (and the full manifest) over

@@ -145,18 +145,7 @@ def sensitivity(scorer: RecipeScorer, low: Recipe, high: Recipe, units: list[Uni
 
 def modeled_bytes(recipe: Recipe, model: Transformer) -> dict[str, float]:
     """Bytes per decoded token under `recipe`: weights read once, KV appended, GEMM inputs (no batching)."""
-    from engine.formats import parse_spec
-
-    def bits(spec: str) -> float:
-        if spec in ("fp32",):
-            return 32.0
-        if spec in ("bf16", "fp16"):
-            return 16.0
-        p = parse_spec(spec.replace(":head", ":tensor"))
-        elem = {"e4m3": 8, "e5m2": 8, "e2m1": 4, "int8": 8}.get(p.elem, 8)
-        group = (p.tile[0] * p.tile[1]) if p.tile else 0
-        scale_bits = {"fp32": 32, "e8m0": 8, "e4m3": 8}.get(p.scale_fmt or "fp32", 32)
-        return elem + (scale_bits / group if group else 0.0)
+    from engine.recipe import storage_bits as bits
 
     from engine.model import _module_path
 

@@ -3,7 +3,8 @@
 Example (see `suites/smoke.yaml`)::
 
     name: smoke
-    backend: cpu-emulated            # or cuda-emulated
+    backend: cpu-emulated            # or cuda-emulated | cuda-native, or a list of them (one run each)
+    reference_device: auto           # where the FP32 reference runs: auto (= the engine's device) | cpu | cuda
     seed: 0
     corpus: builtin:tiny-llama       # default corpus for models without their own
     models:
@@ -14,8 +15,9 @@ Example (see `suites/smoke.yaml`)::
         tokenizer: llama2c:${data_dir}/models/stories260k/tok512.bin
         corpus: ${data_dir}/text/wikitext2/wiki.test.raw
     recipes: [fp32, bf16, fp8-tensor, fp8-block]   # names or recipe YAML paths
-    serving:
-      - {name: default, batch_size: 4}
+    serving:                         # batch_size, prefill_chunk (null = whole window),
+      - {name: default, batch_size: 4}   # attn_block (64|128|256) and small_m (native kernels)
+      - {name: tp2, batch_size: 4, tp: 2, ep: 2}   # tensor / expert parallel degree (default 1; torchrun)
     evals:
       layer_error: {windows: 2, seq_len: 128}
       ppl_kld: {seq_len: 128, max_windows: 16}
@@ -45,12 +47,16 @@ from engine.recipe import Recipe, load_recipe
 from evalharness.errors import DataError, SuiteError
 from evalharness.results import run_key
 
-SUITE_KEYS = ("name", "description", "backend", "seed", "data_dir", "corpus", "models", "recipes", "serving",
-              "evals", "gate")
+SUITE_KEYS = ("name", "description", "backend", "reference_device", "seed", "data_dir", "corpus", "models",
+              "recipes", "serving", "evals", "gate")
 MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
-SERVING_KEYS = ("name", "batch_size")
-EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance")
-BACKENDS = ("cpu-emulated", "cuda-emulated")
+SERVING_KEYS = ("name", "batch_size", "prefill_chunk", "attn_block", "small_m", "tp", "ep")
+# Serving knobs and their checks: (default, allowed values or None for "positive int or null").
+SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk": None, "attn_block": 64, "small_m": 64, "tp": 1, "ep": 1}
+ATTN_BLOCKS = (64, 128, 256)
+EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance", "threeway", "switching")
+BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
+REFERENCE_DEVICES = ("auto", "cpu", "cuda")  # auto: the engine's device (README "Memory")
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
 
@@ -87,6 +93,7 @@ class Suite:
     data_dir: Path | None
     runs: list[RunSpec]
     skipped: list[str]
+    reference_device: str = "auto"  # one of REFERENCE_DEVICES; resolved per model by the runner
 
     @property
     def name(self) -> str:
@@ -208,12 +215,22 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         raise SuiteError(f"{path}: required key 'name' is missing")
     ddir = resolve_data_dir(data_dir, raw.get("data_dir"))
     base = path.parent.resolve()
-    backend = backend or raw.get("backend", "cpu-emulated")
-    if backend not in BACKENDS:
-        raise SuiteError(f"{path}: backend '{backend}' is not one of {BACKENDS}")
+    backends = [backend] if backend else raw.get("backend", "cpu-emulated")
+    backends = backends if isinstance(backends, list) else [backends]
+    for b in backends:
+        if b not in BACKENDS:
+            raise SuiteError(f"{path}: backend '{b}' is not one of {BACKENDS}")
+    if len({b.split("-")[0] for b in backends}) > 1:
+        raise SuiteError(f"{path}: backends {backends} mix devices; one suite runs on cpu or on cuda, not both")
+    if len(set(backends)) != len(backends) or not backends:
+        raise SuiteError(f"{path}: 'backend' must be one backend or a list of distinct backends, got {backends}")
     seed = raw.get("seed", 0)
     if not isinstance(seed, int):
         raise SuiteError(f"{path}: seed must be an integer, got {seed!r}")
+    ref_device = raw.get("reference_device", "auto")
+    if ref_device not in REFERENCE_DEVICES:
+        raise SuiteError(f"{path}: reference_device must be one of {list(REFERENCE_DEVICES)}, got {ref_device!r} "
+                         "(cpu runs the FP32 reference on the host when it does not fit on the GPU next to the engine)")
 
     models = raw.get("models")
     if not isinstance(models, list) or not models:
@@ -256,7 +273,22 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         bs = s.get("batch_size", 1)
         if not isinstance(bs, int) or bs < 1:
             raise SuiteError(f"{path}: serving[{i}].batch_size must be a positive integer, got {bs!r}")
-        servings.append({"name": str(s.get("name", f"serving{i}")), "batch_size": bs})
+        entry_s: dict[str, Any] = {"name": str(s.get("name", f"serving{i}")), "batch_size": bs}
+        for k, default in SERVING_DEFAULTS.items():
+            v = s.get(k, default)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise SuiteError(f"{path}: serving[{i}].{k} must be a positive integer or null, got {v!r}")
+            if k == "attn_block" and v not in ATTN_BLOCKS:
+                raise SuiteError(f"{path}: serving[{i}].attn_block must be one of {ATTN_BLOCKS}, got {v!r}")
+            if v != default:  # only non-default knobs are recorded, so existing run keys/specs stay stable
+                entry_s[k] = v
+        if entry_s.get("tp", 1) is None or entry_s.get("ep", 1) is None:
+            raise SuiteError(f"{path}: serving[{i}]: tp / ep (tensor / expert parallel degree) must be positive "
+                             "integers; leave them out for 1")
+        from evalharness.distributed import check_degrees  # tp / ep: one model-parallel group per run
+
+        check_degrees(entry_s, evals, f"{path}: serving[{i}]")
+        servings.append(entry_s)
 
     runs, skipped = [], []
     seen = set()
@@ -285,8 +317,9 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
             raise SuiteError(f"{path}: models[{i}] ('{name}') has no corpus and the suite sets no default 'corpus'")
         for r in resolved_recipes:
             for s in servings:
-                runs.append(RunSpec(suite_name=str(raw["name"]), model=entry, recipe=r, serving=s, backend=backend,
-                                    evals={k: dict(v or {}) for k, v in evals.items()}, seed=seed))
+                for b in backends:
+                    runs.append(RunSpec(suite_name=str(raw["name"]), model=entry, recipe=r, serving=s, backend=b,
+                                        evals={k: dict(v or {}) for k, v in evals.items()}, seed=seed))
     if not runs:
         raise SuiteError(f"{path}: nothing to run: {'; '.join(skipped) or 'empty matrix'}")
-    return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped)
+    return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped, reference_device=ref_device)

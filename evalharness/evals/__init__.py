@@ -5,6 +5,8 @@
 * ``invariance``: the same requests under other serving configs (batch size, chunked prefill), determinism.
 * ``tasks``: lm-eval tasks (offline configs in ``suites/tasks``), per-sample paired statistics.
 * ``longctx``: long greedy generations (degeneration, first divergence), passkey retrieval, KLD by position.
+* ``switching``: per-request high-precision path for sensitive modules: quality recovered, latency, memory.
+* ``threeway``: FP32 vs bit-exact emulation vs native kernels: error attributed to the format or the kernel.
 
 Metric names are ``<eval>.<metric>`` or ``<eval>.<tap>.<stat>``.
 """
@@ -35,6 +37,12 @@ EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
                 "passkey_depths": (list, [0.0, 0.25, 0.5, 0.75, 1.0]), "passkey_trials": (int, 4),
                 "kld_docs": (int, 4), "kld_seq_len": (int, None), "kld_buckets": (int, 8),
                 "max_tokens": (int, 200_000), "bos": (bool, True)},
+    "threeway": {"windows": (int, 4), "seq_len": (int, 128), "emulated": (str, "cuda-emulated"),
+                 "native": (str, "cuda-native"), "kernel_factor": ((int, float), 2.0),
+                 "kernel_floor": ((int, float), 1.0e-3),
+                 "native_options": (dict, None)},
+    "switching": {"modules": (list, None), "high": (str, "bf16"), "windows": (int, 4), "seq_len": (int, 128),
+                  "reps": (int, 3)},
 }
 # Integer settings for which 0 is meaningful (all other integer settings must be positive).
 ZERO_ALLOWED = frozenset({"num_fewshot"})
@@ -76,6 +84,9 @@ class EvalContext:
     data_dir: str | None = None  # the suite's data dir (--data-dir), for evals that read task files
     ref_cache_dir: str | None = None  # on-disk reference cache (top-k log-probs), shared across invocations
     model_sha: str | None = None  # checkpoint hash: part of every reference-cache key
+    # engine_for(tp, ep): this run's engine at another parallel degree (invariance variants); None = only `engine`
+    engine_for: Callable[[int, int], Any] | None = None
+    parallel: tuple[int, int] = (1, 1)  # (tp, ep) of `engine`
 
     def windows(self, seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int,
                 bos: bool) -> Windows:
@@ -121,6 +132,14 @@ def run_eval(name: str, ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str
         from evalharness.evals.longctx import run_longctx
 
         return run_longctx(ctx, settings)
+    if name == "switching":
+        from evalharness.evals.switching import run_switching
+
+        return run_switching(ctx, settings)
+    if name == "threeway":
+        from evalharness.evals.threeway import run_threeway
+
+        return run_threeway(ctx, settings)
     raise ValueError(f"unknown eval '{name}'")
 
 
