@@ -171,8 +171,13 @@ class Numerics:
 
         `x` is the high-precision normed hidden state, never the FP8 expert input.
         """
-        dtype = _FLOAT_DTYPES[self.recipe.spec("router", module)]
-        return F.linear(x.to(dtype), w.to(dtype)).float()
+        spec = self.recipe.spec("router", module)
+        if spec in _FLOAT_DTYPES:
+            dtype = _FLOAT_DTYPES[spec]
+            return F.linear(x.to(dtype), w.to(dtype)).float()
+        # a quantized router (a planted bug, or an experiment): the input in that format, the prepared
+        # weight already holds its values; fp32 accumulation
+        return F.linear(self.quant(x, "router", module).dequantize(), w.float())
 
     def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
             experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None], cfg: MoeConfig, module: str,

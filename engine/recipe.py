@@ -27,7 +27,7 @@ Sites (what each key controls)
 ``attn.out``            attention output (FP8 attention output feeds o_proj directly)
 ``residual``            storage of the residual stream after every add
 ``norm``                RMSNorm compute precision
-``router``              MoE router logits / scores
+``router``              MoE router GEMM (its input and gate weights; fp32 by default)
 ======================  ==========================================================
 
 plus ``accumulate`` (``fp32``, ``tcN``, ``tcN:promoteK``): the GEMM accumulator model.
@@ -74,7 +74,9 @@ SITES: tuple[str, ...] = (
 INHERITS: Mapping[str, str] = MappingProxyType({"moe.weight": "linear.weight", "moe.input": "linear.input"})
 
 # Sites whose value must be a plain high-precision float type (compute precision, not storage).
-COMPUTE_SITES = ("attn.softmax", "norm", "router")
+# `router` is not one: its GEMM (inputs and gate weights) may be put in a quantized format, which is
+# the planted "router in E4M3" bug the gate selftest must catch.
+COMPUTE_SITES = ("attn.softmax", "norm")
 HIGH_PRECISION = ("fp32", "bf16", "fp16")
 
 RECIPE_KEYS = ("name", "description", "extends", "accumulate", "overrides", "scales")

@@ -1,4 +1,5 @@
-"""Baselines: result files promoted to `baselines/<suite>/<run_key>.json`, with provenance.
+"""Baselines: result files promoted to `baselines/<suite>/<run_key>.json` (GPU runs:
+`baselines/<suite>/<hardware_class>/<run_key>.json`), with provenance.
 
 `update` prints the diff it is about to write (metric by metric) before writing.
 """
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from evalharness.gate import baseline_path
+from evalharness.gate import baseline_path, hardware_class
 from evalharness.provenance import now_iso
 from evalharness.results import iter_results, load_result, write_json_atomic
 
@@ -51,7 +52,7 @@ def update_baselines(results_dir: str | Path, baselines_dir: str | Path, dry_run
             log(f"skip {doc['run_key']}: status {doc['status']} (a failed run cannot be a baseline)")
             continue
         sname = suite_name or (doc.get("suite") or {}).get("name", "default")
-        target = baseline_path(baselines_dir, sname, doc["run_key"])
+        target = baseline_path(baselines_dir, sname, doc["run_key"], hardware_class(doc))
         old = load_result(target) if target.exists() else None
         log(f"{'would write' if dry_run else 'write'} {target}:")
         for line in _diff(old, doc):

@@ -276,9 +276,34 @@ def _noise(rule: dict[str, Any], metric: str, doc: dict, base: dict | None, docs
     return noise_floor_se(metric, base, _samples(base, rule.get("samples")))
 
 
-def baseline_path(baselines_dir: str | Path, suite_name: str, key: str) -> Path:
-    """Where the baseline of `key` lives: baselines/<suite>/<run_key>.json."""
+def hardware_class(doc: dict[str, Any]) -> str | None:
+    """The hardware class a result was measured on (provenance), e.g. 'h200'; None for old results."""
+    return ((doc.get("provenance") or {}).get("hardware") or {}).get("hardware_class")
+
+
+def baseline_path(baselines_dir: str | Path, suite_name: str, key: str, hw: str | None = None) -> Path:
+    """Where the baseline of `key` lives.
+
+    CPU runs (bit-exact emulation, the same numbers on any x86 CPU): baselines/<suite>/<run_key>.json.
+    GPU runs are keyed by hardware class as well, because kernels and accumulation order differ
+    between GPUs: baselines/<suite>/<hardware_class>/<run_key>.json (e.g. .../h200/...).
+    """
+    if hw and hw != "cpu":
+        return Path(baselines_dir) / suite_name / hw / f"{key}.json"
     return Path(baselines_dir) / suite_name / f"{key}.json"
+
+
+def missing_baseline_message(baselines_dir: str | Path, suite_name: str, key: str, hw: str | None,
+                             results_dir: str | Path) -> str:
+    """Why there is no baseline: none at all, or none for this hardware class (naming the classes that have one)."""
+    bpath = baseline_path(baselines_dir, suite_name, key, hw)
+    if hw and hw != "cpu":
+        others = sorted(p.parent.name for p in (Path(baselines_dir) / suite_name).glob(f"*/{key}.json"))
+        if others:
+            return (f"{key}: no baseline for hardware class '{hw}' at {bpath} (baselines exist for: "
+                    f"{', '.join(others)}); GPU baselines are per hardware class: run the suite on this "
+                    f"hardware and `evalharness baseline update {results_dir}`")
+    return f"{key}: no baseline at {bpath} (create it with `evalharness baseline update {results_dir}`)"
 
 
 def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: dict[str, Any] | None = None,
@@ -309,10 +334,11 @@ def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: d
     for doc in docs:
         key = doc["run_key"]
         sname = suite_name or (doc.get("suite") or {}).get("name", "default")
-        bpath = baseline_path(baselines_dir, sname, key)
+        hw = hardware_class(doc)
+        bpath = baseline_path(baselines_dir, sname, key, hw)
         base = load_result(bpath) if bpath.exists() else None
         if base is None:
-            missing.append(f"{key}: no baseline at {bpath} (create it with `evalharness baseline update {results_dir}`)")
+            missing.append(missing_baseline_message(baselines_dir, sname, key, hw, results_dir))
         if doc["status"] != "ok":
             err = doc.get("error") or {}
             verdicts.append(Verdict(key, "status", "FAIL", mode="status",

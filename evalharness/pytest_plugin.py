@@ -299,7 +299,7 @@ def assert_metric(result: Any, name: str, *, max: float | None = None, min: floa
     the baseline comparison is skipped.
     """
     __tracebackhide__ = True
-    from evalharness.gate import Verdict, baseline_path
+    from evalharness.gate import hardware_class, Verdict, baseline_path
 
     if direction not in ("lower", "higher"):
         raise ValueError(f"assert_metric: direction must be 'lower' or 'higher', got {direction!r}")
@@ -331,7 +331,7 @@ def assert_metric(result: Any, name: str, *, max: float | None = None, min: floa
         if bdir is None:
             raise ValueError("assert_metric(rel_to_baseline=...): pass baselines=DIR (no pytest session active)")
         suite = (doc.get("suite") or {}).get("name", "default")
-        bpath = baseline_path(bdir, suite, key)
+        bpath = baseline_path(bdir, suite, key, hardware_class(doc))
         if not bpath.exists():
             v.message = f"no baseline at {bpath}; create it with `pytest --numerics-update-baselines`"
             pytest.fail(_line(v), pytrace=False)

@@ -249,17 +249,21 @@ def effect_size(vdir: Path, baselines: Path, keys: set[str]) -> dict[str, Any] |
     is below this suite's resolution: no gate could flag it without also flagging
     noise of the same size.
     """
-    from evalharness.gate import _samples, baseline_path
+    from evalharness.gate import _samples, baseline_path, hardware_class
     from evalharness.gate_rules import noise_floor_se
     from evalharness.results import load_result
 
     suite_name = json.loads((vdir / "suite.json").read_text()).get("name", "default")
     best = None
     for key in sorted(keys):
-        path, bpath = vdir / f"{key}.json", baseline_path(baselines, suite_name, key)
-        if not path.exists() or not bpath.exists():
+        path = vdir / f"{key}.json"
+        if not path.exists():
             continue
-        cur, base = load_result(path), load_result(bpath)
+        cur = load_result(path)
+        bpath = baseline_path(baselines, suite_name, key, hardware_class(cur))
+        if not bpath.exists():
+            continue
+        base = load_result(bpath)
         for metric, direction, samples in EFFECT_METRICS:
             v, b = cur["metrics"].get(metric), base["metrics"].get(metric)
             if not isinstance(v, (int, float)) or not isinstance(b, (int, float)):
