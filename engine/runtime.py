@@ -40,7 +40,10 @@ class ServingConfig:
 
     kv_block_size: tokens per KV page; max_batch: sequence slots (requests decoded together);
     max_tokens: longest sequence (prompt + generation); prefill_chunk: prompt tokens per prefill
-    call (None: whole prompt); cuda_graphs: capture and replay the decode step (CUDA only).
+    call (None: whole prompt); cuda_graphs: capture and replay the decode step (CUDA only);
+    prefix_cache: a prompt that starts with whole pages another live sequence already holds reuses
+    them (a hit) and prefills only the rest -- with FP8 KV the reused pages carry the scales of the
+    call that wrote them, so a hit can differ from a miss (the invariance eval measures it).
     """
 
     kv_block_size: int = 16
@@ -48,6 +51,7 @@ class ServingConfig:
     max_tokens: int = 1024
     prefill_chunk: Optional[int] = None
     cuda_graphs: bool = False
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_block_size not in KV_BLOCK_SIZES:
@@ -142,6 +146,8 @@ class PagedRuntime:
         # a fixed split count keeps the decode kernel's grid the same at every replay of a captured step
         self.num_splits = max(1, min(64, per_seq * config.kv_block_size // 256)) if config.cuda_graphs else None
         self._graphs: dict[int, tuple] = {}
+        self._prefixes: dict[tuple[int, ...], set[int]] = {}  # whole-page token prefix -> slots holding it
+        self.last_prefix_hit = 0  # tokens reused by the last prefill (prefix cache)
 
     # ----------------------------------------------------------------- steps
     def _forward(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor,
@@ -184,18 +190,40 @@ class PagedRuntime:
         return graph, tok, ids, start, out
 
     # -------------------------------------------------------------- requests
+    def _lookup_prefix(self, slot: int, prompt: Sequence[int]) -> tuple[int, int]:
+        """(source slot, tokens) of the longest whole-page prefix of `prompt` another slot holds; (-1, 0) if none.
+        At least one prompt token is always left to prefill (its logits start the generation)."""
+        bs = self.config.kv_block_size
+        for n in range((len(prompt) - 1) // bs * bs, 0, -bs):
+            holders = self._prefixes.get(tuple(prompt[:n]), set()) - {slot}
+            if holders:
+                return min(holders), n
+        return -1, 0
+
     @torch.no_grad()
     def prefill(self, slot: int, prompt: Sequence[int], high_precision: bool = False) -> torch.Tensor:
-        """Write `prompt` into sequence `slot` (chunked); returns the logits of every prompt token (t, vocab)."""
+        """Write `prompt` into sequence `slot` (chunked); returns the logits of the prompt tokens it computed
+        (t - last_prefix_hit, vocab): all of them, or with a prefix-cache hit only those after the reused pages."""
+        for holders in self._prefixes.values():  # this slot's pages are recycled
+            holders.discard(slot)
         self.kv.free(slot)
         self.kv.allocate(slot, self.config.max_tokens)
-        toks = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        prompt = list(prompt)
+        src, hit = self._lookup_prefix(slot, prompt) if self.config.prefix_cache else (-1, 0)
+        if hit:
+            self.kv.copy_prefix(src, slot, hit)
+        self.last_prefix_hit = hit
+        toks = torch.tensor([prompt], dtype=torch.long, device=self.device)
         chunk = self.config.prefill_chunk or toks.shape[1]
         ids = torch.tensor([slot], dtype=torch.long, device=self.device)
         parts = []
-        for s in range(0, toks.shape[1], chunk):
+        for s in range(hit, toks.shape[1], chunk):
             start = torch.tensor([s], dtype=torch.long, device=self.device)
             parts.append(self._forward(toks[:, s:s + chunk], ids, start, high_precision)[0])
+        if self.config.prefix_cache:
+            bs = self.config.kv_block_size
+            for n in range(bs, len(prompt) + 1, bs):
+                self._prefixes.setdefault(tuple(prompt[:n]), set()).add(slot)
         return torch.cat(parts)
 
     @torch.no_grad()
@@ -204,6 +232,9 @@ class PagedRuntime:
         if tokens.shape[0] > self.config.max_batch or tokens.shape[1] > self.config.max_tokens:
             raise ValueError(f"score: {tuple(tokens.shape)} exceeds max_batch {self.config.max_batch} x "
                              f"max_tokens {self.config.max_tokens}")
+        if self.config.prefix_cache:
+            raise ValueError("score: whole-sequence logits need every position computed; use prefill with "
+                             "prefix_cache (it returns the positions after the reused pages)")
         return torch.stack([self.prefill(i, row.tolist()) for i, row in enumerate(tokens)])
 
     @torch.no_grad()

@@ -86,3 +86,20 @@ def test_bad_serving_configs_are_clear_errors(tiny):
     rt = PagedRuntime(Engine(tiny, "fp32"), ServingConfig(max_tokens=16))
     with pytest.raises(ValueError, match="exceeds max_tokens"):
         rt.generate([[1] * 12], 8)
+
+
+def test_prefix_cache_hit_reuses_pages(tiny):
+    """A prompt sharing whole pages with a live sequence reuses them: fp32 hit == miss (1e-4); under fp8-kv
+    the reused pages keep the earlier call's per-head K scales, so the hit's logits differ from a miss."""
+    prompt = list(range(1, 41))  # 40 tokens: 2 whole 16-token pages can be reused, 8 tokens prefilled
+    for recipe, same in (("fp32", True), ("fp8-kv", False)):
+        rt = PagedRuntime(Engine(tiny, recipe), ServingConfig(kv_block_size=16, max_batch=2, max_tokens=64,
+                                                              prefix_cache=True))
+        miss = rt.prefill(0, prompt)
+        assert rt.last_prefix_hit == 0 and miss.shape[0] == 40
+        rt.prefill(1, prompt[:20])  # an earlier, shorter request: it also holds the first page
+        assert rt.last_prefix_hit == 16  # ... which it reused from slot 0
+        hit = rt.prefill(0, prompt)  # slot 0 recycled: its prefix now comes from slot 1 (one whole page)
+        assert rt.last_prefix_hit == 16 and hit.shape[0] == 24
+        gap = (hit - miss[16:]).abs().max().item()
+        assert (gap <= 1e-4) if same else (gap > 1e-3), (recipe, gap)

@@ -124,6 +124,26 @@ class PagedKVCache:
         self._pages[seq_id].extend(new)
         self.block_tables[seq_id, have:have + need] = _to_device(torch.tensor(new, dtype=torch.int32), self.device)
 
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Prefix-cache hit: give sequence `dst` the first `num_tokens` (whole pages) of sequence `src`.
+
+        Copies page contents and scales of every layer (no sharing, so no reference counts): the
+        stored values -- including each chunk's K scale from the call that wrote it -- are exactly
+        what `src` holds. `dst` must already have pages allocated for them.
+        """
+        if num_tokens % self.block_size:
+            raise ValueError(f"copy_prefix: {num_tokens} tokens is not a whole number of {self.block_size}-token pages")
+        nb = num_tokens // self.block_size
+        if nb > len(self._pages[src]) or nb > len(self._pages[dst]):
+            raise ValueError(f"copy_prefix: {nb} pages needed, src {src} has {len(self._pages[src])}, "
+                             f"dst {dst} has {len(self._pages[dst])}")
+        s = torch.tensor(self._pages[src][:nb], dtype=torch.long, device=self.device)
+        d = torch.tensor(self._pages[dst][:nb], dtype=torch.long, device=self.device)
+        for buf in (self._k, self._v) + ((self._ks, self._vs) if self.fp8 else ()):
+            buf[:, d] = buf[:, s]
+        self.seq_lens[dst] = num_tokens
+        self._host_len[dst] = num_tokens
+
     def free(self, seq_id: int) -> None:
         """Return the sequence's pages to the free list and reset its table row and length."""
         self._free.extend(reversed(self._pages[seq_id]))

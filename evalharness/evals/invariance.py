@@ -8,10 +8,11 @@ other degrees runs on the run's model-parallel group: launch with
 `torchrun`, see `evalharness.distributed`. `attn_block` / `small_m` are
 cuda-native kernel tilings -- attention tile, and the token count up to
 which GEMMs take the small-M decode kernel -- and give the variant its own
-engine; `kv_block_size` / `cuda_graphs` serve the variant through
+engine; `kv_block_size` / `cuda_graphs` / `prefix_cache` serve the variant through
 `engine.runtime.PagedRuntime`: logits by paged prefill, greedy by batched
 KV-cached decode in pages of that size, replayed as CUDA graphs on the
-GPU). For each B, on the same windows:
+GPU; with `prefix_cache` each window's first half (whole pages) is written
+by an earlier request and reused: a prefix-cache hit vs A's miss). For each B, on the same windows:
 
 * `bitwise_equal_frac`: fraction of token positions whose logits row is
   bit-identical between A and B;
@@ -37,9 +38,9 @@ import torch
 from evalharness.evals import EvalContext
 
 VARIANT_KEYS = ("name", "batch_size", "prefill_chunk", "tp", "ep", "attn_block", "small_m", "kv_block_size",
-                "cuda_graphs")
+                "cuda_graphs", "prefix_cache")
 KERNEL_KEYS = ("attn_block", "small_m")  # native kernel tilings: the variant gets its own engine
-RUNTIME_KEYS = ("kv_block_size", "cuda_graphs")  # the variant is served by engine.runtime.PagedRuntime
+RUNTIME_KEYS = ("kv_block_size", "cuda_graphs", "prefix_cache")  # served by engine.runtime.PagedRuntime
 
 
 class _Served:
@@ -48,13 +49,28 @@ class _Served:
     def __init__(self, engine: Any, v: dict[str, Any], max_tokens: int):
         from engine.runtime import PagedRuntime, ServingConfig
 
+        self.prefix = bool(v.get("prefix_cache"))
         self.rt = PagedRuntime(engine, ServingConfig(kv_block_size=v.get("kv_block_size") or 16,
-                                                     max_batch=v["batch_size"], max_tokens=max_tokens,
-                                                     prefill_chunk=v["prefill_chunk"],
-                                                     cuda_graphs=bool(v.get("cuda_graphs"))))
+                                                     max_batch=max(v["batch_size"], 2 if self.prefix else 1),
+                                                     max_tokens=max_tokens, prefill_chunk=v["prefill_chunk"],
+                                                     cuda_graphs=bool(v.get("cuda_graphs")),
+                                                     prefix_cache=self.prefix))
 
     def logits(self, x: torch.Tensor, prefill_chunk: int | None = None) -> torch.Tensor:
-        return self.rt.score(x)
+        if not self.prefix:
+            return self.rt.score(x)
+        # prefix-cache hit: an earlier request (slot 1) wrote the first half of each row (whole pages);
+        # the row then reuses those pages and prefills the rest. Positions of the reused half carry the
+        # earlier request's logits, the rest the hit's.
+        bs, out = self.rt.config.kv_block_size, []
+        for row in x.tolist():
+            half = len(row) // 2 // bs * bs
+            donor = self.rt.prefill(1, row[:half]) if half else None
+            rest = self.rt.prefill(0, row)
+            if self.rt.last_prefix_hit != half:
+                raise RuntimeError(f"prefix cache: expected a {half}-token hit, got {self.rt.last_prefix_hit}")
+            out.append(rest if donor is None else torch.cat([donor, rest]))
+        return torch.stack(out)
 
     def greedy(self, prompts: torch.Tensor, n_new: int) -> list[list[int]]:
         return self.rt.generate(prompts.tolist(), n_new)
@@ -103,8 +119,9 @@ def validate_variants(variants: Any) -> list[dict[str, Any]]:
             raise ValueError(f"variants[{i}]: small_m must be a non-negative integer, got {v['small_m']!r}")
         if v.get("kv_block_size") not in (None, 16, 32, 64, 128, 256):
             raise ValueError(f"variants[{i}]: kv_block_size must be 16, 32, 64, 128 or 256, got {v['kv_block_size']!r}")
-        if v.get("cuda_graphs") not in (None, True, False):
-            raise ValueError(f"variants[{i}]: cuda_graphs must be true or false, got {v['cuda_graphs']!r}")
+        for flag in ("cuda_graphs", "prefix_cache"):
+            if v.get(flag) not in (None, True, False):
+                raise ValueError(f"variants[{i}]: {flag} must be true or false, got {v[flag]!r}")
         default = f"b{bs}" + (f"-c{ch}" if ch else "") + (f"-tp{tp}" if tp else "") + (f"-ep{ep}" if ep else "")
         out.append({"name": str(v.get("name", default)), "batch_size": bs, "prefill_chunk": ch, "tp": tp, "ep": ep,
                     **{k: v.get(k) for k in KERNEL_KEYS + RUNTIME_KEYS}})
