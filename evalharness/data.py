@@ -5,7 +5,13 @@ A corpus reference is one of:
 * ``builtin:NAME``: the token corpus shipped with a built-in model
   (`evalharness/builtin/NAME/corpus.json`), usable with no data dir;
 * a path to a token-corpus JSON (``{"vocab_size": V, "tokens": [...]}``);
-* a path to a plain-text file (tokenized with the model's tokenizer).
+* a path to a plain-text file (tokenized with the model's tokenizer);
+* ``hf:NAME[:CONFIG]:SPLIT[#FIELD]``: a dataset through `datasets.load_dataset`
+  (a hub name such as ``hf:wikitext:wikitext-2-raw-v1:test``, or a local folder
+  of data files), the records' FIELD (default ``text``) joined by blank lines.
+  Hub names need the network or the local datasets cache (`HF_DATASETS_OFFLINE=1`
+  works from the cache); on machines without either, use the files of
+  ``--data-dir``.
 """
 
 from __future__ import annotations
@@ -47,21 +53,51 @@ def _read_token_file(path: Path, vocab_size: int) -> list[int]:
     return tokens
 
 
+def _hf_text(ref: str) -> str:
+    """The text of an ``hf:NAME[:CONFIG]:SPLIT[#FIELD]`` corpus (see the module docstring)."""
+    spec, _, field = ref.removeprefix("hf:").partition("#")
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise DataError(f"corpus '{ref}': expected hf:NAME[:CONFIG]:SPLIT[#FIELD], e.g. hf:wikitext:wikitext-2-raw-v1:test")
+    name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"corpus '{ref}' needs the `datasets` package (pip install 'evalharness[eval]')") from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # network, cache miss, unknown name/split: all mean "cannot read this corpus"
+        raise DataError(f"corpus '{ref}': datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); offline, only "
+                        "datasets in the local cache load -- use a file from --data-dir instead") from None
+    field = field or "text"
+    if field not in ds.column_names:
+        raise DataError(f"corpus '{ref}': no field '{field}' (fields: {ds.column_names}); add #FIELD to the reference")
+    return "\n\n".join(str(t) for t in ds[field] if t)
+
+
 def load_corpus_tokens(ref: str, tokenizer, vocab_size: int, max_tokens: int) -> list[int]:
     """Token ids of a corpus, at most `max_tokens` of them (text is tokenized lazily, chunk by chunk)."""
     if ref.startswith("builtin:"):
         return _read_token_file(builtin_path(ref.removeprefix("builtin:")) / "corpus.json", vocab_size)[:max_tokens]
-    path = Path(ref).expanduser()
-    if not path.exists():
-        raise DataError(f"corpus not found: {path} (check --data-dir and the suite's corpus path)")
-    if path.suffix == ".json":
-        return _read_token_file(path, vocab_size)[:max_tokens]
-    if tokenizer is None:
-        raise DataError(f"{path}: a text corpus needs a tokenizer, and the model has none; set 'tokenizer' in the suite")
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise DataError(f"cannot read corpus {path}: {exc.strerror}") from None
+    if ref.startswith("hf:"):
+        path = Path(ref)  # for messages only
+        if tokenizer is None:
+            raise DataError(f"{ref}: a text corpus needs a tokenizer, and the model has none; set 'tokenizer'")
+        text = _hf_text(ref)
+    else:
+        path = Path(ref).expanduser()
+        if not path.exists():
+            raise DataError(f"corpus not found: {path} (check --data-dir and the suite's corpus path)")
+        if path.suffix == ".json":
+            return _read_token_file(path, vocab_size)[:max_tokens]
+        if tokenizer is None:
+            raise DataError(f"{path}: a text corpus needs a tokenizer, and the model has none; set 'tokenizer' in "
+                            "the suite")
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise DataError(f"cannot read corpus {path}: {exc.strerror}") from None
     tokens: list[int] = []
     chunk: list[str] = []
     size = 0
