@@ -88,15 +88,43 @@ def _names(doc: dict[str, Any]) -> tuple[str, str, str]:
     return model, recipe, serving
 
 
+def _backend(doc: dict[str, Any]) -> str:
+    """The backend a result ran on (spec, else the run key's last part)."""
+    return (doc.get("spec") or {}).get("backend") or (doc["run_key"].split("__") + ["", "", "", ""])[3]
+
+
 def _by_model(docs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """model -> recipe -> result (ok runs; the first serving config seen for each pair)."""
+    """model -> recipe label -> result (ok runs; the first serving config seen for each pair).
+
+    With several backends in one results dir the label is `recipe/backend`, so plots keep them apart."""
     out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    several = len({_backend(d) for d in docs}) > 1
     for d in docs:
         if d.get("status") != "ok":
             continue
         model, recipe, _ = _names(d)
-        out[model].setdefault(recipe, d)
+        out[model].setdefault(f"{recipe}/{_backend(d)}" if several else recipe, d)
     return out
+
+
+def _threeway_table(docs: list[dict[str, Any]]) -> list[str]:
+    """Markdown table of the three-way comparison (only when threeway.* metrics exist)."""
+    rows = []
+    for d in sorted(docs, key=lambda d: (_names(d), _backend(d))):
+        m = d.get("metrics") or {}
+        if "threeway.format.kld_mean" not in m:
+            continue
+        model, recipe, serving = _names(d)
+        first = int(m.get("threeway.first_kernel_tap", -1))
+        rows.append(f"| {model} | {recipe} | {serving} | {_backend(d)} | {_ci(m, 'threeway.format.kld_mean')} | "
+                    f"{_ci(m, 'threeway.kernel.kld_mean')} | {_ci(m, 'threeway.total.kld_mean')} | "
+                    f"{_fmt(m.get('threeway.kernel_share'))} | {'none' if first < 0 else first} |")
+    if not rows:
+        return []
+    return (["## Three-way: FP32 (R) vs emulation (E) vs native (N)", "",
+             "| model | recipe | serving | backend | KL(R‖E) format [95% CI] | KL(E‖N) kernel [95% CI] | "
+             "KL(R‖N) total [95% CI] | kernel share | first kernel tap |",
+             "|---|---|---|---|---|---|---|---|---|"] + rows + [""])
 
 
 def plot_error_vs_depth(model: str, runs: dict[str, dict[str, Any]], path: Path) -> Path | None:
@@ -198,12 +226,14 @@ def plot_task_deltas(model: str, runs: dict[str, dict[str, Any]], path: Path) ->
 
 def _run_table(docs: list[dict[str, Any]]) -> list[str]:
     """Markdown table: one row per run."""
-    out = ["| model | recipe | serving | status | PPL ratio [95% CI] | KLD mean [95% CI] | KLD p99 | KLD p99.9 | "
-           "KLD max | top-1 [95% CI] | logits rel L2 | time s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for d in sorted(docs, key=lambda d: _names(d)):
+    out = ["| model | recipe | serving | backend | status | PPL ratio [95% CI] | KLD mean [95% CI] | KLD p99 | "
+           "KLD p99.9 | KLD max | top-1 [95% CI] | logits rel L2 | time s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in sorted(docs, key=lambda d: (_names(d), _backend(d))):
         m = d.get("metrics") or {}
         model, recipe, serving = _names(d)
-        out.append(f"| {model} | {recipe} | {serving} | {d['status']} | {_ci(m, 'ppl_kld.ppl_ratio')} | "
+        out.append(f"| {model} | {recipe} | {serving} | {_backend(d)} | {d['status']} | "
+                   f"{_ci(m, 'ppl_kld.ppl_ratio')} | "
                    f"{_ci(m, 'ppl_kld.kld_mean')} | {_fmt(m.get('ppl_kld.kld_p99', '-'))} | "
                    f"{_fmt(m.get('ppl_kld.kld_p999', '-'))} | {_fmt(m.get('ppl_kld.kld_max', '-'))} | "
                    f"{_ci(m, 'ppl_kld.top1_agree')} | {_fmt(m.get('layer_error.logits.rel_l2', '-'))} | "
@@ -253,6 +283,7 @@ def build_report(results_dir: str | Path, out_dir: str | Path, history: list[str
             err = d.get("error") or {}
             lines.append(f"- `{d['run_key']}`: {err.get('type')}: {err.get('message')}")
         lines.append("")
+    lines += _threeway_table(docs)
     lines += _task_table(docs)
     plots: list[tuple[str, Path]] = []
     for model, runs in sorted(_by_model(docs).items()):

@@ -72,7 +72,7 @@ def test_report_markdown_numbers_and_plots(results_dir, tmp_path):
     out = tmp_path / "rep"
     md = build_report(results_dir, out).read_text()
     assert "# Numerics report: nightly" in md and "4 run(s), 3 ok, 1 error" in md
-    assert "| zoo-llama | fp8-block | default | ok | 1.004 [0.9997, 1.008] | 0.005117 [0.004094, 0.00614] |" in md
+    assert "| zoo-llama | fp8-block | default | cpu-emulated | ok | 1.004 [0.9997, 1.008] | 0.005117 [0.004094, 0.00614] |" in md
     assert "| 0.03582 | 0.07676 | 0.2047 | 0.95 [0.94, 0.96] | 0.018 |" in md  # p99, p99.9, max, top1, logits
     assert "`zoo-moe__fp8-block__default__cpu-emulated`: WeightsError: cannot load zoo-moe" in md
     assert "| zoo-llama | fp8-block | default | arc_easy | 0.5 | 0.488 | -0.012 [-0.03, 0.006] | 0.3 | 200 |" in md
