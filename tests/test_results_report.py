@@ -160,3 +160,18 @@ def test_progress_bar_lines():
     lines = buf.getvalue().splitlines()
     assert lines[0].startswith("[1/4]") and lines[1].startswith("progress [#####") and "1/4 runs" in lines[1]
     assert lines[2] == "loaded model 'm'" and "2/4 runs  50%" in lines[4]
+
+
+def test_report_of_the_h200_gpu_suite_shows_backends_and_three_way(tmp_path):
+    """The committed H200 run of suites/gpu.yaml: one row per backend, and the three-way table with the
+    format / kernel / total KLD of each native run (values as measured, no kernel tap flagged)."""
+    from evalharness.results_report import build_report
+    from tests.conftest import REPO
+
+    md = build_report(REPO / "benchmarks" / "results" / "h200-2026-11-29-session2" / "suite_gpu", tmp_path).read_text()
+    assert "| zoo-moe | fp8-block | default | cuda-emulated | ok |" in md
+    assert "| zoo-moe | fp8-block | default | cuda-native | ok |" in md
+    row = next(line for line in md.splitlines()
+               if line.startswith("| zoo-moe | fp8-block | default | cuda-native |") and "none" in line)
+    assert "| 0.0221 [0.01615, 0.02805] | 0.01561 [0.01114, 0.02008] |" in row and row.rstrip().endswith("| none |")
+    assert (tmp_path / "kld_zoo-moe.png").exists()
