@@ -89,6 +89,9 @@ class Engine:
         """
         from engine.weights import module_path, weight_site
 
+        if self.parallel.size > 1:
+            raise ParallelError("precision switching is single-process for now: the high-precision variant is "
+                                "not sharded (tp=ep=1)")
         storage = ("linear.weight", "linear.input", "linear.output", "moe.weight", "moe.input",
                    "attn.q", "kv.k", "kv.v", "attn.out")
         sites = {s: high for s in storage if storage_bits(self.recipe.spec(s)) < storage_bits(high)}

@@ -115,6 +115,9 @@ class PagedRuntime:
 
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig(), num_blocks: Optional[int] = None):
         cfg = engine.cfg
+        if getattr(engine, "parallel", None) is not None and engine.parallel.size > 1:
+            raise ValueError("PagedRuntime serves single-process engines (tp=ep=1); its pages are sized for the "
+                             "whole model's KV heads")
         if cfg.mla is not None:
             raise ValueError("PagedRuntime serves GQA/MQA models; MLA models use Engine.generate's contiguous "
                              "latent cache")
