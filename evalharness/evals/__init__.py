@@ -110,37 +110,18 @@ class EvalContext:
 
 
 def run_eval(name: str, ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
-    """Run one eval by name; returns (metrics without the eval prefix, per-sample arrays)."""
+    """Run one eval by name; returns (metrics without the eval prefix, per-sample arrays).
+
+    Each eval lives in `evalharness.evals.<name>` as `run_<name>(ctx, settings)`, imported on first
+    use (the tasks eval pulls in lm-eval, which CPU-only or GPU boxes may lack).
+    """
+    if name not in EVAL_SETTINGS:
+        raise ValueError(f"unknown eval '{name}'; available: {sorted(EVAL_SETTINGS)}")
     settings = validate_eval_config(name, cfg)
-    if name == "layer_error":
-        from evalharness.evals.layer_error import run_layer_error
+    import importlib
 
-        return run_layer_error(ctx, settings)
-    if name == "ppl_kld":
-        from evalharness.evals.ppl_kld import run_ppl_kld
-
-        return run_ppl_kld(ctx, settings)
-    if name == "invariance":
-        from evalharness.evals.invariance import run_invariance
-
-        return run_invariance(ctx, settings)
-    if name == "tasks":
-        from evalharness.evals.tasks import run_tasks
-
-        return run_tasks(ctx, settings)
-    if name == "longctx":
-        from evalharness.evals.longctx import run_longctx
-
-        return run_longctx(ctx, settings)
-    if name == "switching":
-        from evalharness.evals.switching import run_switching
-
-        return run_switching(ctx, settings)
-    if name == "threeway":
-        from evalharness.evals.threeway import run_threeway
-
-        return run_threeway(ctx, settings)
-    raise ValueError(f"unknown eval '{name}'")
+    module = importlib.import_module(f"evalharness.evals.{name}")
+    return getattr(module, f"run_{name}")(ctx, settings)
 
 
 def finite_or_nan(x: torch.Tensor) -> float:
