@@ -40,7 +40,6 @@ from engine.config import MoeConfig
 from engine.formats import QTensor, parse_spec, quantize
 from engine.numerics import _FLOAT_DTYPES, Numerics
 from engine.recipe import Recipe
-from engine.routing import route
 
 # Weight specs with a native GEMM, and the activation specs each pairs with.
 _NATIVE_PAIRS = {
@@ -283,10 +282,7 @@ class NativeNumerics(Numerics):
         from engine.kernels import moe as moe_k
 
         n, d = x.shape
-        logits = self.router(x, router_w, module + ".gate")  # (tokens, experts) fp32
-        self.emit(tap + "moe.router_logits", logits)
-        weights, ids = route(logits, cfg, correction_bias)  # (tokens, k)
-        self.emit(tap + "moe.topk", ids)
+        weights, ids = self.route_tokens(x, router_w, correction_bias, cfg, module, tap)  # (tokens, k)
         stacks = self._moe_stacks.get(module)
         if stacks is None:  # (gate, up, down) stacked once per layer: (E, N, K) FP8 + (E, N/128, K/128) scales
             stacks = tuple(moe_k.stack_expert_weights([ex[j].q for ex in experts]) for j in range(3))

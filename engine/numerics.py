@@ -196,16 +196,23 @@ class Numerics:
         (`engine.parallel.ParallelContext.moe`).
         """
         n, d = x.shape
-        logits = self.router(x, router_w, module + ".gate")  # (tokens, experts)
-        self.emit(tap + "moe.router_logits", logits)
-        weights, ids = route(logits, cfg, correction_bias)  # (tokens, k) each
-        self.emit(tap + "moe.topk", ids)
+        weights, ids = self.route_tokens(x, router_w, correction_bias, cfg, module, tap)  # (tokens, k) each
         if self.parallel is not None and self.parallel.ep > 1:
             return self.parallel.moe(self, xq, weights, ids, experts, module)
         plan = dispatch_plan(ids, cfg.num_experts)
         xs = xq.dequantize().reshape(n, d).index_select(0, plan.token)  # (tokens*k, d), expert-contiguous
         y = self.run_experts(xs, plan.counts, experts, module) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
         return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+
+    def route_tokens(self, x: torch.Tensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
+                     cfg: MoeConfig, module: str, tap: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (`router` precision) -> (top-k weights, top-k expert ids), each (tokens, k);
+        emits `{tap}moe.router_logits` and `{tap}moe.topk`. Shared by every MoE execution path."""
+        logits = self.router(x, router_w, module + ".gate")  # (tokens, experts)
+        self.emit(tap + "moe.router_logits", logits)
+        weights, ids = route(logits, cfg, correction_bias)
+        self.emit(tap + "moe.topk", ids)
+        return weights, ids
 
     def run_experts(self, xs: torch.Tensor, counts: Sequence[int],
                     experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],

@@ -84,14 +84,7 @@ class _PagedView:
         # FP8 pages hit an illegal memory access; decode steps and short prompts are verified. Until it is
         # fixed, multi-token calls on FP8 pages write through the library quantizer and attend emulated.
         long_fp8 = rt.kv.fp8 and t > FP8_PAGED_MAX_TQ and rt.device.type == "cuda"
-        if long_fp8:
-            quantizer, rt.kv.quantizer = rt.kv.quantizer, "library"
-            try:
-                rt.kv.write(layer, self.seq_ids, self.start, k, v)
-            finally:
-                rt.kv.quantizer = quantizer
-        else:
-            rt.kv.write(layer, self.seq_ids, self.start, k, v)
+        rt.kv.write(layer, self.seq_ids, self.start, k, v, quantizer="library" if long_fp8 else None)
         q_pos = self.positions(t)
         if rt.native_attention and not long_fp8:
             from engine.kernels.paged_kv import paged_decode_attention

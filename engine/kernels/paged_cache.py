@@ -153,13 +153,15 @@ class PagedKVCache:
         self._host_len[seq_id] = 0
 
     # ------------------------------------------------------------------ write
-    def write(self, layer: int, seq_ids: IntsLike, start: IntsLike, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, seq_ids: IntsLike, start: IntsLike, k: torch.Tensor, v: torch.Tensor,
+              quantizer: Optional[str] = None) -> None:
         """Quantize and store one chunk: token j of row b goes to position start[b] + j of sequence seq_ids[b].
 
         k: (batch, kv_heads, t, head_dim), v: (batch, kv_heads, t, head_dim_v) (the `Numerics.kv_store`
         layout); seq_ids, start: (batch,) ints or int tensors (device tensors: no host work at all, and no
         capacity check: positions beyond the allocated pages land in the trash page). Updates seq_lens to
         max(seq_len, start + t) on the device.
+        `quantizer` overrides the cache's write path ("library" / "triton") for this call only.
         """
         if k.dim() != 4 or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.kv_heads, self.head_dim):
             raise ValueError(f"k must be (batch, {self.kv_heads}, t, {self.head_dim}), got {tuple(k.shape)}")
@@ -182,7 +184,7 @@ class PagedKVCache:
         dev = self.device
         sid = _to_device(torch.as_tensor(seq_ids).reshape(-1).expand(b), dev).long()
         st = _to_device(torch.as_tensor(start).reshape(-1).expand(b), dev).long()
-        if self.quantizer == "triton":
+        if (quantizer or self.quantizer) == "triton":
             from engine.kernels.paged_kv import kv_write
 
             kv_write(self, layer, sid, st, k, v)
