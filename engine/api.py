@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.model import KVCache, Transformer
-from engine.numerics import Numerics, QuantObserver
+from engine.numerics import LocalProbe, Numerics, QuantObserver
 from engine.parallel import ParallelConfig, ParallelError  # noqa: F401 (ParallelError: re-exported for the harness)
 from engine.recipe import Recipe, load_recipe, storage_bits
 
@@ -137,14 +137,16 @@ class Engine:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,
                observer: Optional[QuantObserver] = None, prefill_chunk: int | None = None,
-               high_precision: bool | Sequence[bool] | torch.Tensor = False) -> torch.Tensor:
+               high_precision: bool | Sequence[bool] | torch.Tensor = False,
+               local: Optional[LocalProbe] = None) -> torch.Tensor:
         """Full-sequence logits (batch, t, vocab) in fp32; `tap(name, tensor)` sees every canonical tap.
 
         With `prefill_chunk`, the sequence is prefilled in chunks of that many tokens through the
         KV cache (chunked prefill, as a serving engine does): each chunk attends to the cached,
         already-quantized keys/values of the earlier chunks. `high_precision` (one flag, or one
         per request) routes requests through the precompiled high-precision variant
-        (`enable_precision_switch`); a mixed batch runs as two sub-batches.
+        (`enable_precision_switch`); a mixed batch runs as two sub-batches. `local` receives the
+        op-local conformance sums (`engine.numerics.Numerics`, attribute `local`).
         """
         tokens = tokens.to(self.device)
         flags = torch.as_tensor(high_precision, dtype=torch.bool).flatten().cpu()
@@ -157,10 +159,10 @@ class Engine:
                 out = torch.empty(tokens.shape[0], tokens.shape[1], self.cfg.vocab_size, device=self.device)
                 for want in (False, True):
                     idx = torch.nonzero(flags == want).flatten().to(self.device)
-                    out[idx] = self.logits(tokens[idx], tap, observer, prefill_chunk, want)
+                    out[idx] = self.logits(tokens[idx], tap, observer, prefill_chunk, want, local)
                 return out
         nx, weights = self._path(bool(flags[0]))
-        nx.tap, nx.observer = tap, observer
+        nx.tap, nx.observer, nx.local = tap, observer, local
         prefill_chunk = prefill_chunk or self.default_prefill_chunk
         try:
             if prefill_chunk is None or prefill_chunk >= tokens.shape[1]:
@@ -170,7 +172,7 @@ class Engine:
                      for s in range(0, tokens.shape[1], prefill_chunk)]
             return torch.cat(parts, dim=1)  # (batch, t, vocab)
         finally:
-            nx.tap, nx.observer = None, None
+            nx.tap, nx.observer, nx.local = None, None, None
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),

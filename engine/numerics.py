@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TapFn = Callable[[str, torch.Tensor], None]
 QuantObserver = Callable[[str, str, QTensor], None]
+# (module path, site, statistic, numerator, denominator): op-local conformance sums, see `Numerics.local`
+LocalProbe = Callable[[str, str, str, torch.Tensor, torch.Tensor], None]
 
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,12 +48,34 @@ class Numerics:
     `observer` (optional) receives (module path, site, QTensor) for every
     quantization, so evals can collect format statistics without the model
     knowing about them.
+
+    `local` (optional) is the op-local conformance probe: each op measures
+    the error it adds *by itself*, against the same op in float64 on the
+    very same inputs, so the measurement does not depend on the error
+    accumulated upstream (which, from FP8 activations, drowns a BF16 softmax
+    or a 14-bit accumulator end to end). It receives (module, site, stat,
+    numerator, denominator) 0-d float64 sums; the statistic is
+    sqrt(sum num / sum den) for ``rel_l2`` and sum num / sum den for
+    ``headroom_bits``. Sites:
+
+    * ``linear.accum`` / ``rel_l2``: the GEMM's accumulated output (before the
+      output rounding) vs float64 accumulation of the same format values;
+      isolates the accumulator model (`accumulate`).
+    * ``attn.softmax`` / ``rel_l2``: attention probabilities vs a float64
+      QK^T + softmax of the same cached Q/K; isolates the `attn.softmax`
+      precision.
+    * ``kv.k`` / ``kv.v`` / ``headroom_bits``: per KV head, log2(format max /
+      largest encoded |element| of that head), averaged over heads: the
+      range a head's scale wastes. 0 with per-head dynamic scales; a shared
+      (per-tensor) scale leaves every head but the largest with headroom,
+      pushing its small values toward the format's subnormals.
     """
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self.tap: Optional[TapFn] = None
         self.observer: Optional[QuantObserver] = None
+        self.local: Optional[LocalProbe] = None
         # engine.parallel.ParallelContext under tensor / expert parallelism (set by engine.api.Engine), else None
         self.parallel: Optional[ParallelContext] = None
 
@@ -112,6 +136,8 @@ class Numerics:
         a = xd.reshape(-1, xd.shape[-1])  # (tokens, K)
         acc = self.recipe.accumulate
         y = F.linear(a, w) if acc == "fp32" else matmul_accum(a, w, acc)  # (tokens, N)
+        if self.local is not None:
+            self._local_rel(module, "linear.accum", y, F.linear(a.double(), w.double()))
         if self.parallel is not None:  # row-parallel GEMM: sum the ranks' fp32 partials, then bias and rounding
             y = self.parallel.reduce_partial(y, module)
         if bias is not None:
@@ -127,12 +153,33 @@ class Numerics:
         spec = self.recipe.spec(site, module)
         if spec == "fp32":
             return x.float()
+        b, h, t, d = x.shape
         if spec.endswith(":head"):
-            b, h, t, d = x.shape
             rows = x.transpose(0, 1).reshape(h, b * t * d)  # (kv_heads, batch*tokens*head_dim)
             q = self.quant(rows, site, module, spec[: -len(":head")] + ":token")
+            if self.local is not None:
+                self._local_headroom(module, site, q, q.elements().abs().amax(dim=1))
             return q.dequantize().reshape(h, b, t, d).transpose(0, 1)
-        return self.round(x, site, module)
+        if self.local is None or _is_hp(spec):
+            return self.round(x, site, module)
+        q = self.quant(x, site, module, spec)
+        self._local_headroom(module, site, q, q.elements().abs().amax(dim=(0, 2, 3)))
+        return q.dequantize()
+
+    def _local_rel(self, module: str, site: str, actual: torch.Tensor, ideal: torch.Tensor) -> None:
+        """Feed the local probe sum((actual - ideal)^2), sum(ideal^2) (float64; -inf/NaN-free inputs)."""
+        ideal = ideal.double()
+        self.local(module, site, "rel_l2", (actual.double() - ideal).pow(2).sum(), ideal.pow(2).sum())
+
+    def _local_headroom(self, module: str, site: str, q: QTensor, head_max: torch.Tensor) -> None:
+        """Feed the local probe the summed log2(format max / head max |element|) over heads with any
+        non-zero element, and their count. head_max: (kv_heads,) largest decoded |element| per head."""
+        fmt = q.spec.element_format
+        if fmt is None:  # passthrough: no scale, nothing wasted
+            return
+        live = head_max > 0
+        bits = torch.log2(fmt.max_normal / head_max[live].double()).clamp_min(0.0)
+        self.local(module, site, "headroom_bits", bits.sum(), live.sum().double())
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                   k_pos: torch.Tensor, module: str, sliding_window: int | None = None,
@@ -162,6 +209,9 @@ class Numerics:
         probs = torch.softmax(scores, dim=-1)
         if sm != "fp32":
             probs = probs.to(_FLOAT_DTYPES[sm]).float()
+        if self.local is not None:
+            ideal = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+            self._local_rel(module, "attn.softmax", probs, torch.softmax(ideal.masked_fill(mask, float("-inf")), -1))
         out = torch.matmul(probs, v)  # (batch, heads, tq, dv)
         return out.transpose(1, 2).reshape(b, tq, h * dv)  # (batch, tq, heads*dv)
 

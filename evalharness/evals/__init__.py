@@ -22,7 +22,8 @@ from evalharness.data import Windows, load_corpus_tokens, make_windows
 
 # name -> {setting: (type, default)}; the suite validator uses this table.
 EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
-    "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None)},
+    "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None),
+                    "local": (bool, True)},
     "ppl_kld": {"seq_len": (int, 128), "stride": (int, None), "max_windows": (int, 16), "max_tokens": (int, 200_000),
                 "bos": (bool, True), "ref_topk": (int, None)},
     "invariance": {"variants": (list, None), "windows": (int, 4), "seq_len": (int, 64), "reruns": (int, 2),
@@ -87,6 +88,9 @@ class EvalContext:
     # engine_for(tp, ep): this run's engine at another parallel degree (invariance variants); None = only `engine`
     engine_for: Callable[[int, int], Any] | None = None
     parallel: tuple[int, int] = (1, 1)  # (tp, ep) of `engine`
+    # Wall seconds of an eval's parts, '<eval>.<part>_s' (e.g. 'tasks.hellaswag.eng_s'): the runner adds them to
+    # the result's `timing` next to the whole eval's '<eval>_s'.
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def windows(self, seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int,
                 bos: bool) -> Windows:

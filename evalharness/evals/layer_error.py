@@ -6,6 +6,16 @@ tap straight into its `ErrorAccumulator`. Only one batch of reference
 activations is alive at a time. Format statistics of every quantization the
 engine performs (saturation, underflow) are aggregated per site.
 
+Op-local conformance (``local: true``, the default): every emulated GEMM,
+attention softmax and KV-cache write also measures the error it adds by
+itself against float64 on the same inputs (`engine.numerics.Numerics`,
+attribute `local`), reported as ``local.<site>.<stat>`` over the whole run
+plus ``local.<site>.<stat>_max`` (the worst module) and the worst module's
+name in the samples. These see a precision change in one op (BF16 softmax,
+a 14-bit accumulator, a shared K scale) that the end-to-end metrics cannot
+resolve, deterministically: on the CPU emulation they are exact functions
+of the inputs, so a gate can hold them tight without false alarms.
+
 MoE expert choices (``*.moe.topk`` taps, integer ids (tokens, k)) are not
 compared numerically: they report ``<tap>.overlap`` = mean over tokens of
 |engine set & reference set| / k (1.0 = the same experts everywhere).
@@ -53,6 +63,50 @@ class OverlapAccumulator:
         return {"overlap": self.total / self.count if self.count else float("nan")}
 
 
+class LocalSums:
+    """The `Numerics.local` probe's sink: float64 sums per (site, stat) and per (site, stat, module).
+
+    Sums stay on the tensors' device until `result` (no synchronization per op)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[str, str, str], list] = {}
+
+    def __call__(self, module: str, site: str, stat: str, num: torch.Tensor, den: torch.Tensor) -> None:
+        key = (site, stat, module)
+        rec = self.sums.get(key)
+        if rec is None:
+            self.sums[key] = [num.detach().double(), den.detach().double()]
+        else:
+            rec[0] = rec[0] + num.detach().double()
+            rec[1] = rec[1] + den.detach().double()
+
+    @staticmethod
+    def _value(stat: str, num: float, den: float) -> float:
+        if den <= 0:
+            return float("nan")
+        return (num / den) ** 0.5 if stat == "rel_l2" else num / den
+
+    def result(self) -> tuple[dict[str, float], list[str]]:
+        """({local.<site>.<stat>: whole-run value, local.<site>.<stat>_max: worst module's value},
+        ['<site>.<stat>: <worst module>', ...])."""
+        totals: dict[tuple[str, str], list[float]] = {}
+        worst: dict[tuple[str, str], tuple[float, str]] = {}
+        for (site, stat, module), (num, den) in sorted(self.sums.items()):
+            n, d = float(num), float(den)
+            tot = totals.setdefault((site, stat), [0.0, 0.0])
+            tot[0] += n
+            tot[1] += d
+            v = self._value(stat, n, d)
+            if v == v and ((site, stat) not in worst or v > worst[(site, stat)][0]):
+                worst[(site, stat)] = (v, module)
+        metrics: dict[str, float] = {}
+        for (site, stat), (n, d) in sorted(totals.items()):
+            metrics[f"local.{site}.{stat}"] = self._value(stat, n, d)
+            if (site, stat) in worst:
+                metrics[f"local.{site}.{stat}_max"] = worst[(site, stat)][0]
+        return metrics, [f"{site}.{stat}: {worst[(site, stat)][1]}" for site, stat in sorted(worst)]
+
+
 def _selected(name: str, patterns: list[str] | None) -> bool:
     """Tap filter: all taps when no patterns are given."""
     return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
@@ -65,6 +119,7 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
     order: list[str] = []
     sat = defaultdict(lambda: [0.0, 0.0, 0.0])  # site -> [saturated, underflowed, elements]
     patterns = cfg["taps"]
+    local = LocalSums() if cfg.get("local", True) else None
 
     def observe(module: str, site: str, q) -> None:
         stats_fn = getattr(q, "stats", None)
@@ -93,7 +148,10 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
             acc[name].update(t, ref_taps.pop(name))
 
         ctx.reference.logits(inputs, tap=ref_sink)
-        ctx.engine.logits(inputs, tap=eng_sink, observer=observe)
+        if local is None:
+            ctx.engine.logits(inputs, tap=eng_sink, observer=observe)
+        else:
+            ctx.engine.logits(inputs, tap=eng_sink, observer=observe, local=local)
         missing = [n for n in ref_taps]
         if missing:
             raise RuntimeError(f"layer_error: the engine emitted no tap for reference tap(s) {missing[:5]}")
@@ -119,4 +177,8 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
             metrics[f"quant.{site}.saturation_frac"] = s / n
             metrics[f"quant.{site}.underflow_frac"] = u / n
     samples = {"tap_order": order, "worst_tap": [worst] if worst else []}
+    if local is not None:
+        lm, worst_modules = local.result()
+        metrics.update(lm)
+        samples["local_worst_module"] = worst_modules
     return metrics, samples
