@@ -1,6 +1,7 @@
 """Cost of the harness's instrumentation on the GPU, and reference-pass sharing across a recipe matrix.
 
-    python benchmarks/bench_capture.py [--model zoo/zoo-moe] [--data-dir DIR]
+    python benchmarks/bench_capture.py [--model zoo/zoo-moe] [--data-dir DIR] [--no-matrix]
+    python benchmarks/bench_capture.py --batch 2 --seq 256 --no-matrix   # a quick CPU check
 
 1. Capture overhead: engine forward with every canonical tap streamed into
    the per-tap error accumulators (what `layer_error` does) vs the same
@@ -51,11 +52,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--no-matrix", action="store_true", help="only the capture overhead (part 1)")
     args = ap.parse_args()
     from engine.api import Engine
     from engine.loading import load_model
     from engine.model import Transformer
-    from evalharness.evals.errorstats import ErrorAccumulator
+    from evalharness.evals.errorstats import ErrorAccumulator, _triton_fold
     from evalharness.provenance import hardware_fingerprint
     from evalharness.reference import ReferenceLM
 
@@ -67,6 +69,8 @@ def main() -> None:
         lines.append(s)
 
     say(f"hardware: {json.dumps(hardware_fingerprint(device))}")
+    stats_path = "Triton fold (2 launches/tap)" if device == "cuda" and _triton_fold() else "torch fold_reference"
+    say(f"per-tap statistics: {stats_path}")
     loaded = load_model(args.model)
     model = Transformer(loaded.cfg, loaded.weights).to(device)
     ref = ReferenceLM(loaded, device=device)
@@ -90,6 +94,9 @@ def main() -> None:
         result[f"{recipe}.capture_off_s"], result[f"{recipe}.capture_on_s"] = off, on
         result[f"{recipe}.overhead"] = on / off
 
+    if args.no_matrix:
+        _write(result, lines)
+        return
     if args.data_dir:
         corpus = Path(args.data_dir) / "text" / "simplebooks92" / "test.txt"
     else:
@@ -116,6 +123,11 @@ def main() -> None:
         f"{[round(d.get('timing', {}).get('ppl_kld_s', float('nan')), 2) for d in docs]}")
     result.update({"matrix_wall_s": wall, "reference_passes": passes, "reference_cache_hits": hits,
                    "statuses": [d["status"] for d in docs]})
+    _write(result, lines)
+
+
+def _write(result: dict, lines: list[str]) -> None:
+    """`$OUT/bench_capture.{json,txt}` when OUT is set."""
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_capture.json").write_text(json.dumps(result, indent=1))

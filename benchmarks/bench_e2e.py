@@ -118,7 +118,34 @@ def time_decode(step, prefill, steps: int) -> float:
     return statistics.median(times)
 
 
-def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False) -> dict:
+def profile_steps(step, label: str, n: int = 3) -> str:
+    """Kernel-level profile of `n` decode steps: the top kernels by GPU time per step, the summed kernel time
+    per step and the kernel count per step (what a step spends its time on; gaps = launch / host overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
+        if dev_us > 0:
+            rows.append((dev_us / n, ev.count / n, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    count = sum(r[1] for r in rows)
+    lines = [f"profile {label}: {total / 1e3:.2f} ms of kernels per step over {count:.0f} kernel launches per step"]
+    lines += [f"  {us / 1e3:8.3f} ms {us / max(total, 1e-9):6.1%} {c:7.1f}x  {k[:110]}" for us, c, k in rows[:25]]
+    return "\n".join(lines)
+
+
+def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False,
+                 profile: bool = False) -> dict:
     """Decode timing of the engine's cuda-native path for one recipe and batch size.
 
     runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
@@ -147,7 +174,8 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
             rt._decode(toks[:, -1:], ids, state["start"])
     else:
         def prefill():
-            state["cache"] = KVCache.empty(cfg, batch, prompt + steps + 2, torch.device("cuda"))
+            # room for the warm-up, the timed steps and the profile's 1 + 3 steps
+            state["cache"] = KVCache.empty(cfg, batch, prompt + steps + 8, torch.device("cuda"))
             model.forward(eng.nx, eng.weights, toks, state["cache"])
 
         def step():
@@ -155,11 +183,14 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
 
     with torch.no_grad():
         t = time_decode(step, prefill, steps)
+        prof_text = profile_steps(step, f"{'runtime' if runtime else 'native'}/{recipe} batch {batch}") \
+            if profile else None
     wb = weight_bytes(eng)
     kvb = kv_bytes_per_token(cfg, eng.recipe) * batch * (prompt + steps // 2)
     out = {"engine": f"{'runtime' if runtime else 'native'}/{recipe}", "batch": batch, "step_s": t, "tok_s": batch / t,
            "weight_bytes": wb, "kv_bytes": kvb, "bytes_per_step": wb + kvb,
-           "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")}}
+           "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")},
+           "profile": prof_text}
     del eng, state
     if runtime:
         del rt
@@ -211,6 +242,7 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shaped MoE instead of Llama-3-8B")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--runtime", action="store_true", help="also time the paged runtime with CUDA-graph decode")
+    ap.add_argument("--profile", action="store_true", help="print each configuration's top kernels per decode step")
     args = ap.parse_args()
     from engine.config import ModelConfig
     from engine.model import Transformer
@@ -240,7 +272,9 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for runtime in (False, True) if args.runtime else (False,):
                 try:
-                    rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime))
+                    rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime, args.profile))
+                    if rows[-1]["profile"]:
+                        say(rows[-1]["profile"])
                 except Exception as exc:  # one failing configuration must not hide the others
                     say(f"{'runtime' if runtime else 'native'}/{recipe} batch {batch}: FAILED "
                         f"{type(exc).__name__}: {exc}")

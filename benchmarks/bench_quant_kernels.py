@@ -57,6 +57,7 @@ def main() -> None:
          lambda: rmsnorm_quant_reference(x, w, 1e-5), m * k * 2 + k * 4 + out_bytes),
         ("rmsnorm+quant 2-pass", lambda: rmsnorm_quant(x, w, 1e-5, single_pass=False),
          lambda: rmsnorm_quant_reference(x, w, 1e-5), m * k * 2 + k * 4 + out_bytes),
+        ("rmsnorm+quant default", lambda: rmsnorm_quant(x, w, 1e-5), None, m * k * 2 + k * 4 + out_bytes),
         ("swiglu+quant 1x128", lambda: swiglu_quant(x, u), lambda: swiglu_quant_reference(x, u),
          2 * m * k * 2 + out_bytes),
     ]

@@ -1,13 +1,35 @@
 #!/usr/bin/env bash
 # One batched GPU session: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
-# Usage on the device machine (repo root; data carried in .carry/data):
-#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites]
+# Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
+# carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
+#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [pack]
 # Each part writes its log under $OUT; a failing part never stops the next one.
 set -u
 OUT=${OUT:-benchmarks/results/device-$(date +%F)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD EVALHARNESS_DATA_DIR=$PWD/.carry/data
 parts=${*:-tests bench e2e suites}
+if [ -f .carry/data.tar.xz ]; then  # python's tarfile: no dependence on an xz binary there
+  python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('.carry/data', filter='data')" ||
+    echo "data: unpacking .carry/data.tar.xz failed"
+fi
+# The `tasks` part's sizes (issue 6: every eval of suites/evals.yaml, at device sizes, on both CUDA backends).
+# Full task sets where they are small (arc_challenge 1172, piqa 1838, winogrande 1267 documents); the large
+# ones limited (hellaswag 1000 of 10042, arc_easy 1000 of 2376, lambada 1000 of 5153) and GSM8K, whose
+# generations run one request at a time, to 8 of 1319 (5-shot, 32 new tokens). One recipe (fp8-block) on
+# cuda-emulated and cuda-native: per model one reference pass and two engine passes per eval. Estimated
+# 4-5 minutes on an H200 (from ~30 ms per engine forward / decode step of these models there and ~1.5 ms of
+# lm-eval + tokenizer work per document); the results' timing says where it went (evals_timing.txt).
+EVALS_DEVICE_SETS=(
+  --set recipe=fp8-block --set "backend=[cuda-emulated, cuda-native]"
+  --set evals.layer_error.windows=16 --set evals.ppl_kld.max_windows=256
+  --set evals.tasks.batch_size=128 --set evals.tasks.num_fewshot=null --set evals.tasks.max_gen_toks=32
+  --set "evals.tasks.limit={hellaswag: 1000, arc_easy: 1000, lambada: 1000, gsm8k: 8}"
+  --set evals.longctx.new_tokens=256 --set "evals.longctx.prompt_lens=[256]" --set evals.longctx.prompts_per_len=1
+  --set evals.longctx.passkey_lens=null --set "evals.longctx.passkey_depths=[0.0, 0.5, 1.0]"
+  --set evals.longctx.passkey_trials=1
+  --set evals.longctx.kld_docs=8 --set evals.longctx.kld_seq_len=null --set evals.longctx.kld_buckets=8
+)
 run() {  # run NAME TIMEOUT CMD...: time-limited, output to $OUT/NAME.log, status line on stdout
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
@@ -37,6 +59,29 @@ for part in $parts; do
     suites)
       run suite_gpu 400 python -m evalharness.cli run suites/gpu.yaml --out "$OUT/gpu" --no-tracking
       run suite_invariance 240 python -m evalharness.cli run suites/invariance-gpu.yaml --out "$OUT/invariance" --no-tracking ;;
+    capture)  # the per-tap statistics on the GPU: Triton fold vs its torch reference, then capture on vs off
+      run errorstats_gpu 120 python -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_errorstats_gpu.py
+      run bench_capture 150 python benchmarks/bench_capture.py --data-dir .carry/data ;;
+    tasks)  # lm-eval tasks, long context, per-layer error, PPL/KLD (suites/evals.yaml) with the carried wheels.
+      # EVALS_EXTRA: more --set options, appended; EVALS_TIMEOUT: seconds (default 420). A CPU dry run of this
+      # part (Python 3.11 there: pip is told to take multiprocess's py312 wheel all the same):
+      #   EVALS_EXTRA="--set backend=cpu-emulated --set evals.tasks.limit=2 ..." OUT=/tmp/x bash benchmarks/run_device.sh tasks
+      as312=()
+      python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' ||
+        as312=(--python-version 3.12 --only-binary=:all: --implementation cp --platform any)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${as312[@]}" .carry/whl/*.whl > "$OUT/evals_pip.log" 2>&1 ||
+        echo "tasks: pip install of .carry/whl failed (evals_pip.log)"
+      read -ra extra <<< "${EVALS_EXTRA:-}"
+      (
+        export PYTHONPATH=/tmp/site:$PWD
+        python -c "import importlib.metadata as m, lm_eval; print(lm_eval.__file__, {p: m.version(p) for p in ('lm_eval',
+          'datasets', 'pyarrow', 'fsspec', 'huggingface_hub', 'pandas', 'transformers', 'tokenizers', 'torch')})" \
+          >> "$OUT/evals_pip.log" 2>&1
+        run evals "${EVALS_TIMEOUT:-420}" python -m evalharness.cli run suites/evals.yaml --no-tracking --out "$OUT/evals" \
+          "${EVALS_DEVICE_SETS[@]}" "${extra[@]}"
+        python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
+      ) ;;
     pack)  # the device tool brings back a handful of files: pack everything into one archive
       (cd "$OUT" && tar czf ../device_results.tgz . && rm -rf ./* && mv ../device_results.tgz .) ;;
   esac

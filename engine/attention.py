@@ -66,7 +66,8 @@ def _attn_output(nx: Numerics, w: Mapping[str, torch.Tensor], a: torch.Tensor, p
         nx.emit(tp + "attn.out", a_in)
     else:  # FP8 attention output: the QTensor feeds o_proj directly (no re-quantization)
         a_in = nx.quant(a, "attn.out", tp + "attn.o_proj")
-        nx.emit(tp + "attn.out", a_in.dequantize())
+        if nx.tapping:
+            nx.emit(tp + "attn.out", a_in.dequantize())
     o = nx.linear(a_in, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"), tp + "attn.o_proj")
     nx.emit(tp + "attn.o_proj", o)
     return o
@@ -83,7 +84,8 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     b, t, _ = hn.shape
     hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     hq = nx.act_quant(hn, tp + "attn.qkv")  # fused RMSNorm -> quant, shared by q/k/v
-    nx.emit(tp + "attn_norm", hq.dequantize())
+    if nx.tapping:
+        nx.emit(tp + "attn_norm", hq.dequantize())
     q = nx.linear(hq, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), tp + "attn.q_proj")
     k = nx.linear(hq, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"), tp + "attn.k_proj")
     v = nx.linear(hq, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"), tp + "attn.v_proj")
@@ -135,7 +137,8 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     b, t, _ = hn.shape
     h, nope, rope, dv = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     hq = nx.act_quant(hn, tp + "attn.qkv")  # fused RMSNorm -> quant, shared by q_a / q and kv_a
-    nx.emit(tp + "attn_norm", hq.dequantize())
+    if nx.tapping:
+        nx.emit(tp + "attn_norm", hq.dequantize())
     if m.q_lora_rank is None:
         q = nx.linear(hq, w[a + "q_proj.weight"], None, tp + "attn.q_proj")
     else:
@@ -168,9 +171,10 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     new = kv[:, tk - t:]  # this call's tokens
     nx.emit(tp + "attn.kv", new)
     k_nope_new, v_new = new.view(b, t, h, nope + dv).split([nope, dv], dim=-1)  # (batch, t, heads, nope|dv)
-    k_tap = torch.cat((k_nope_new, k_pe_raw[:, :, None, :].expand(b, t, h, rope)), dim=-1)  # (batch, t, heads, nope+rope)
-    nx.emit(tp + "attn.k", k_tap.reshape(b, t, h * (nope + rope)))
-    nx.emit(tp + "attn.v", v_new.reshape(b, t, h * dv))
+    if nx.tapping:
+        k_tap = torch.cat((k_nope_new, k_pe_raw[:, :, None, :].expand(b, t, h, rope)), dim=-1)  # (b, t, h, nope+rope)
+        nx.emit(tp + "attn.k", k_tap.reshape(b, t, h * (nope + rope)))
+        nx.emit(tp + "attn.v", v_new.reshape(b, t, h * dv))
     kv = kv.view(b, tk, h, nope + dv).transpose(1, 2)  # (batch, heads, tk, nope+dv)
     k_nope, v = kv.split([nope, dv], dim=-1)
     k = torch.cat((k_nope, k_pe.expand(b, h, tk, rope)), dim=-1)  # (batch, heads, tk, nope+rope)

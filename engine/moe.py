@@ -27,9 +27,9 @@ def swiglu_mlp(nx: Numerics, w: Mapping[str, torch.Tensor], hq: QTensor, prefix:
     """
     g = nx.linear(hq, w[prefix + "gate_proj.weight"], w.get(prefix + "gate_proj.bias"), module + ".gate_proj")
     u = nx.linear(hq, w[prefix + "up_proj.weight"], w.get(prefix + "up_proj.bias"), module + ".up_proj")
-    act = F.silu(g) * u
+    act = nx.swiglu(g, u, module)
     aq = nx.act_quant(act, module + ".down_proj")  # fused SwiGLU -> quant
-    if act_tap is not None:
+    if act_tap is not None and nx.tapping:
         nx.emit(act_tap, aq.dequantize())
     return nx.linear(aq, w[prefix + "down_proj.weight"], w.get(prefix + "down_proj.bias"), module + ".down_proj")
 
@@ -38,7 +38,8 @@ def dense_block(nx: Numerics, w: Mapping[str, torch.Tensor], i: int, hn: torch.T
     """The dense MLP of layer `i` on the normed input (batch, t, d); emits mlp_norm, mlp.act, mlp.out."""
     p, tp = f"model.layers.{i}.", f"layers.{i}."
     hq = nx.act_quant(hn, tp + "mlp.gate_up")  # fused RMSNorm -> quant, shared by gate/up
-    nx.emit(tp + "mlp_norm", hq.dequantize())
+    if nx.tapping:
+        nx.emit(tp + "mlp_norm", hq.dequantize())
     m = swiglu_mlp(nx, w, hq, p + "mlp.", tp + "mlp", tp + "mlp.act")
     nx.emit(tp + "mlp.out", m)
     return m
@@ -58,7 +59,8 @@ def moe_block(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: 
     b, t, d = hn.shape
     flat = hn.reshape(b * t, d)  # (tokens, d)
     xq = nx.act_quant(flat, tp + "mlp.experts", site="moe.input")  # quantized once, before dispatch
-    nx.emit(tp + "mlp_norm", xq.dequantize().reshape(b, t, d))
+    if nx.tapping:
+        nx.emit(tp + "mlp_norm", xq.dequantize().reshape(b, t, d))
     experts = [(w[f"{p}mlp.experts.{e}.gate_proj.weight"], w[f"{p}mlp.experts.{e}.up_proj.weight"],
                 w[f"{p}mlp.experts.{e}.down_proj.weight"]) if f"{p}mlp.experts.{e}.gate_proj.weight" in w
                else None for e in range(moe.num_experts)]  # None: held by another rank (expert parallelism)

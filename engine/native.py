@@ -6,6 +6,14 @@ format at that site has a native kernel on this GPU:
 
 * ``act_quant`` / ``quant`` for ``e4m3:1x128`` -> the Triton quant kernel
   (bit-exact with `engine.formats.quantize`: same scales, same FP8 bits);
+* ``rmsnorm`` / ``swiglu`` (fp32 norm compute) -> the fused Triton
+  RMSNorm+quant / SwiGLU+quant kernels: one launch computes the fp32 values
+  *and* their 1x128 E4M3 quantization, which the ``quant`` of those very
+  values that follows in the model takes instead of quantizing again (the
+  kernels quantize their own fp32 output bit-exactly, so this changes no
+  bit). The norm's sum of squares and SwiGLU's silu (approximate division,
+  <= 2 ulp) differ from torch's in the last bits: kernel error, measured by
+  the three-way eval like the GEMMs' accumulation order;
 * ``linear``: FP8 block (``e4m3:1x128`` x ``e4m3:128x128``) -> cuBLAS
   blockwise `scaled_mm` for large M, the Triton small-M kernel for decode;
   per-tensor FP8 -> `_scaled_mm`; MXFP8 / MXFP4 / NVFP4 weights -> Triton
@@ -116,6 +124,8 @@ class NativeNumerics(Numerics):
         self.small_m = small_m
         self.attn_block = attn_block
         self.coverage: collections.Counter[str] = collections.Counter()
+        # (fp32 values, their E4M3 1x128 QTensor) from the last fused producer, consumed by the next `quant`
+        self._fused: Optional[tuple[torch.Tensor, QTensor]] = None
         self._moe_stacks: dict[str, tuple] = {}
 
     def _count(self, op: str, how: str) -> None:
@@ -132,10 +142,56 @@ class NativeNumerics(Numerics):
         out.update({k: float(v) for k, v in sorted(self.coverage.items())})
         return out
 
+    # ------------------------------------------------------- fused producers
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """A fused producer kernel may run: the recipe's activations are E4M3 1x128 (else there is no
+        quantization to fuse, and the kernel's last-ulp differences would be pure cost: under bf16 they
+        flip zoo-moe's expert choices), CUDA fp32/bf16 input, 128-multiple rows, nobody observing quants."""
+        return (self.recipe.spec("linear.input") == "e4m3:1x128" and x.is_cuda and self.observer is None
+                and x.dim() >= 1 and x.shape[-1] % 128 == 0 and x.numel() > 0
+                and x.dtype in (torch.float32, torch.bfloat16))
+
+    def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Keep the fused kernel's E4M3 1x128 quantization of `hp` for the `quant` call that follows."""
+        self._fused = (hp, QTensor(data=data.reshape(hp.shape), scale=scale.reshape(*hp.shape[:-1], -1),
+                                   spec=parse_spec("e4m3:1x128"), shape=hp.shape, orig_dtype=hp.dtype))
+        return hp
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
+        """fp32 RMSNorm through the fused RMSNorm+quant kernel (its quantization kept for `quant`)."""
+        if self.recipe.spec("norm", module) != "fp32" or not self._fusable(x) or weight.shape != x.shape[-1:]:
+            self._count("rmsnorm", "fallback")
+            return super().rmsnorm(x, weight, eps, module)
+        data, scale, hp = self._quant_k.rmsnorm_quant(x.contiguous(), weight.float().contiguous(), eps,
+                                                      return_hp=True)
+        self._count("rmsnorm", "native")
+        return self._remember(hp.reshape(x.shape), data, scale)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
+        """silu(gate) * up through the fused SwiGLU+quant kernel (its quantization kept for `quant`)."""
+        if not (self._fusable(gate) and up.shape == gate.shape and up.dtype == gate.dtype):
+            self._count("swiglu", "fallback")
+            return super().swiglu(gate, up, module)
+        data, scale, hp = self._quant_k.swiglu_quant(gate.contiguous(), up.contiguous(), return_hp=True)
+        self._count("swiglu", "native")
+        return self._remember(hp.reshape(gate.shape), data, scale)
+
     # ----------------------------------------------------------------- quant
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
-        """`e4m3:1x128` through the Triton kernel (bit-exact); anything else emulated."""
+        """`e4m3:1x128` through the Triton kernel (bit-exact); anything else emulated.
+
+        The fp32 output of the last fused producer (`rmsnorm` / `swiglu`) is not quantized again: the
+        producer's own quantization of exactly those values is returned (same bits)."""
         spec = spec or self.recipe.spec(site, module)
+        fused, self._fused = self._fused, None
+        if (fused is not None and spec == "e4m3:1x128" and self.observer is None and x.is_cuda
+                and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape
+                and x.dtype == fused[0].dtype and not (
+                    self.recipe.scales and self.recipe.static_scale(site, module) is not None)):
+            self._count("quant", "native")
+            q = fused[1]
+            return q if q.shape == x.shape else dataclasses.replace(
+                q, data=q.data.reshape(x.shape), scale=q.scale.reshape(*x.shape[:-1], -1), shape=x.shape)
         if spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
                 self.recipe.scales and self.recipe.static_scale(site, module) is not None):
             k = x.shape[-1]

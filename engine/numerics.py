@@ -80,6 +80,12 @@ class Numerics:
         self.parallel: Optional[ParallelContext] = None
 
     # ------------------------------------------------------------------ basics
+    @property
+    def tapping(self) -> bool:
+        """True when a tap callback is installed: callers skip building tap-only tensors (a dequantized
+        copy, a concatenation) otherwise, so a serving step launches no kernel for taps nobody reads."""
+        return self.tap is not None
+
     def emit(self, name: str, x: torch.Tensor) -> None:
         """Send a tap to the installed callback (no-op without one)."""
         if self.tap is not None:
@@ -115,6 +121,10 @@ class Numerics:
         var = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(var + eps)
         return (weight.to(dtype) * h).float()
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
+        """silu(gate) * up in fp32 (the SwiGLU half of SwiGLU+quant; `act_quant` follows)."""
+        return F.silu(gate) * up
 
     def act_quant(self, x: torch.Tensor, module: str, site: str = "linear.input") -> QTensor:
         """The fused '-> quant' half of norm+quant and SwiGLU+quant: one QTensor feeds every consumer GEMM."""

@@ -175,10 +175,16 @@ class HarnessLM(LM):
                 seq_idx += [i] * n
                 pos_idx += range(end - n, end)  # positions whose next-token prediction is a continuation token
                 target += full[-n:]
-            rows = logits[torch.tensor(seq_idx), torch.tensor(pos_idx)].double().cpu()  # (scored, vocab)
-            tgt = torch.tensor(target, dtype=torch.long)
+            # The softmax runs where the logits are (a GPU's (scored, vocab) rows are megabytes a batch):
+            # only two numbers per scored token come back; the per-sequence sums run on the host, in a
+            # fixed order (a GPU's index_add_ of floats is atomic: its rounding would vary run to run).
+            dev = logits.device
+            rows = logits[torch.tensor(seq_idx, device=dev), torch.tensor(pos_idx, device=dev)]
+            rows = rows.double()  # (scored, vocab)
+            tgt = torch.tensor(target, dtype=torch.long, device=dev)
             token_lp = torch.log_softmax(rows, dim=-1).gather(-1, tgt[:, None])[:, 0]  # (scored,)
             miss = (rows.argmax(-1) != tgt).double()  # (scored,) 1 where greedy decoding disagrees
+            token_lp, miss = torch.stack((token_lp, miss)).cpu()  # (2, scored) -> two (scored,)
             segs = torch.tensor(seq_idx, dtype=torch.long)
             ll = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, segs, token_lp).tolist()
             misses = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, segs, miss).tolist()

@@ -17,8 +17,12 @@ Schema (version 1)::
       "error": null | {"type", "message"},
       "metrics": {"<eval>.<metric>": float|null, "<eval>.<tap>.<stat>": float|null, ...},
       "samples": {"<eval>": {"<array name>": [floats]}},   # per-sample data for paired tests
-      "timing": {"total_s": float, "<eval>_s": float}
+      "timing": {"total_s": float, "<eval>_s": float, "<eval>.<part>_s": float}
     }
+
+`timing` holds wall seconds: the whole run, each eval, and the parts an eval
+times itself (e.g. ``tasks.<task>.ref_s`` / ``tasks.<task>.eng_s``: one task
+of the reference, present only in the run that computed it, and of the engine).
 
 Non-finite metric values are stored as null (JSON has no NaN) and the eval
 reports them separately (e.g. `ppl_kld.nonfinite_frac`).

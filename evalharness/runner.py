@@ -286,6 +286,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         timing: dict[str, float] = {}
         data_sha: dict[str, str] = {}
         error = None
+        ctx = None
         try:
             engine_for = _engine_factory(base_model, spec, place(spec) if place is not None else None)
             own = distributed.serving_parallel(spec.serving)
@@ -314,6 +315,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         except Exception as exc:  # a crashing eval must not take the suite down; record it
             status = "error"
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc(limit=8)}
+        if ctx is not None:  # the evals' own part timings (kept for a failed run too: where did the time go)
+            timing.update({k: round(v, 3) for k, v in ctx.timing.items()})
         timing["total_s"] = round(time.time() - t_run, 3)
         engine = ctx = engine_for = None  # drop this recipe's prepared weights before the next one is built
         doc = _result_doc(spec, suite, status, metrics, samples, timing, error, loaded.sha256, data_sha, device,

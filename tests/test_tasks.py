@@ -342,3 +342,28 @@ def test_include_paths_user_task_with_local_json(tmp_path):
     # Uniform logits: the shorter choice (" no", 3 bytes) has the higher log-likelihood: right for odd golds.
     assert s["my_local_qa.correct_eng"] == s["my_local_qa.correct_ref"] == [0, 1, 0, 1, 0]
     assert m["my_local_qa.delta"] == 0.0 and m["my_local_qa.ll_absdiff_mean"] == 0.0
+
+
+def test_tasks_eval_times_each_task(tmp_path):
+    """ctx.timing gets '<task>.eng_s' for every run and '<task>.ref_s' only in the run that computed the
+    reference (the next recipe reuses it): what the device results record as the time each task took."""
+    import json
+
+    rows = [{"q": f"Question {i}: pick", "choices": [" yes", " no"], "gold": i % 2} for i in range(4)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "mine.yaml").write_text(
+        "task: my_timed_qa\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: gold\n"
+        "doc_to_choice: choices\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    cache: dict = {}
+    timings = []
+    for _ in range(2):
+        ctx = EvalContext(engine=ZeroModel(), reference=ZeroModel(), tokenizer=tok, corpus="", vocab_size=260,
+                          batch_size=4, seed=0, cache=cache, counters={})
+        run_eval("tasks", ctx, {"tasks": ["my_timed_qa"], "include_paths": [str(tmp_path)]})
+        timings.append(dict(ctx.timing))
+    assert set(timings[0]) == {"tasks.my_timed_qa.ref_s", "tasks.my_timed_qa.eng_s"}
+    assert set(timings[1]) == {"tasks.my_timed_qa.eng_s"}
+    assert all(0 < v < 60 for t in timings for v in t.values())

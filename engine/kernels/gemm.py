@@ -43,11 +43,14 @@ Paths:
 * :func:`legacy_scaled_mm_blockwise`: the OLD ``torch._scaled_mm`` call with unpadded scales,
   kept only so a test can reproduce its silent wrong results (see its docstring).
 
-Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (no
-atomics), so a given (shape, device) always produces the same bits. The number of splits is a
-function of the shape and the SM count only. Decode calls on weights of >= 2**24 elements autotune
-the pipeline depth (3 configs, ~0.1 s) on their first call per shape: warm up before capturing a
-CUDA graph. No wrapper synchronizes the host.
+Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (or, with
+``fused_reduce``, the last split of each tile -- found with an arrival counter -- sums them in the
+same order; no atomic accumulation either way), so a given (shape, device) always produces the same
+bits. The number of splits is a function of the shape and the SM count only, or of a
+``DECODE_CONFIGS`` entry (measured configs stored as data, per device and shape; the tuning knobs
+are keyword arguments of :func:`fp8_block_gemm_triton`). Decode calls on weights of >= 2**24
+elements without an entry autotune the pipeline depth (3 configs, ~0.1 s) on their first call per
+shape: warm up before capturing a CUDA graph. No wrapper synchronizes the host.
 """
 
 from __future__ import annotations
@@ -91,15 +94,22 @@ def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_
 
 # M, N and the scale strides are not value-specialized: fewer compiled variants; K and the row
 # strides are (16-byte divisibility enables vector loads).
-@triton.jit(do_not_specialize=["M", "N", "groups_per_split", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
-def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr,
-                           M, N, K, groups_per_split,
+@triton.jit(do_not_specialize=["M", "N", "groups_per_split", "n_splits", "stride_xsm", "stride_xsg", "stride_wsn",
+                               "stride_wsg"])
+def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias_ptr, cnt_ptr,
+                           M, N, K, groups_per_split, n_splits,
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
-    one weight-scale row serves the whole tile. Per-tensor scales use stride 0."""
+    one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
+
+    The scales of group g+1 are loaded during step g (the pipeliner streams W / X through shared
+    memory but leaves these small loads synchronous: their latency would stall every step).
+    FUSED_REDUCE (split-K): the last split to finish a tile (per-tile arrival counter cnt_ptr, reset
+    to 0 by that split) sums all partials in split order itself -- the same bits as
+    `_splitk_reduce_kernel`, without its launch."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -114,17 +124,35 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     xs_rows = xs_ptr + offs_m * stride_xsm
     g0 = pid_s * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    ws_next = tl.load(ws_row + g0 * stride_wsg, mask=g0 < g1, other=0.0)
+    xs_next = tl.load(xs_rows + g0 * stride_xsg, mask=m_ok & (g0 < g1), other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for g in range(g0, g1):
+        ws = ws_next
+        xs = xs_next
+        ws_next = tl.load(ws_row + (g + 1) * stride_wsg, mask=g + 1 < g1, other=0.0)
+        xs_next = tl.load(xs_rows + (g + 1) * stride_xsg, mask=m_ok & (g + 1 < g1), other=0.0)
         k = g * 128 + offs_k
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        ws = tl.load(ws_row + g * stride_wsg)
-        xs = tl.load(xs_rows + g * stride_xsg, mask=m_ok, other=0.0)
         acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
     _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
-              USE_PART, HAS_BIAS, False)
+              USE_PART, HAS_BIAS and not FUSED_REDUCE, False)
+    if USE_PART and FUSED_REDUCE:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()  # every thread's partial store happens before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+            idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(n_splits):  # split order, as _splitk_reduce_kernel
+                tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + idx, tot.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
 
 
 @triton.jit
@@ -237,6 +265,17 @@ _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
 
+# Measured decode configs, as data: (device name, N, K, BM) -> knobs of `fp8_block_gemm_triton`
+# (split_k, block_n, num_warps, num_stages, fused_reduce). `fp8_block_linear` uses an entry when one
+# matches, else the heuristic (`_tiles`, `_split_k`) with the autotuned pipeline depth.
+# `benchmarks/tune_kernels.py` prints entries to paste here. The split count changes the fp32
+# summation order, so an entry fixes the bits of that (shape, device) like the heuristic does.
+DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
+    # H200 sweep, benchmarks/results/h200-2026-11-29-session3/tune_gemm.txt: 26.5 us vs 27.8 us at M=1
+    ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
+}
+DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce")
+
 
 # ============================================================================ launch helpers
 def _cdiv(a: int, b: int) -> int:
@@ -324,10 +363,44 @@ def _check_fp8(t: torch.Tensor, name: str, spec: str) -> None:
         raise _bad(f"{name} must be torch.float8_e4m3fn data (quantize with '{spec}'), got {t.dtype}")
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device_type: str, index: Optional[int]) -> str:
+    """The CUDA device name keying `DECODE_CONFIGS` ("" on CPU)."""
+    return torch.cuda.get_device_name(index if index is not None else 0) if device_type == "cuda" else ""
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n per-tile arrival counters for FUSED_REDUCE (kernels leave it zeroed).
+
+    Shared by every fused call on the device: fused split-K calls must run in stream order (one stream,
+    or CUDA graphs replayed on one stream); allocate it (one plain call) before capturing a graph."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only), else {}."""
+    given = {key: v for key, v in knobs.items() if v is not None}
+    if given or m > 64:
+        return given
+    return dict(DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {}))
+
+
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
-                out_dtype: torch.dtype, split_k: Optional[int]) -> torch.Tensor:
-    """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N)."""
+                out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
+                num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                fused_reduce: Optional[bool] = None) -> torch.Tensor:
+    """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
+
+    Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
+    `_tiles` (BN, warps, stages; stages autotuned on big decode weights), `_split_k`, no fused reduce."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -336,18 +409,28 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if k == 0:
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
+    cfg = _decode_knobs(m, n, k, x.device, dict(split_k=split_k, block_n=block_n, num_warps=num_warps,
+                                                 num_stages=num_stages, fused_reduce=fused_reduce))
     bm, bn, warps, stages = _tiles(m)
-    splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, split_k)
+    bn = cfg.get("block_n") or bn
+    if bn not in (16, 32, 64, 128):
+        raise _bad(f"block_n={bn}: use 16, 32, 64 or 128 (it must divide the 128-wide weight-scale blocks)")
+    splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
+    fused = bool(cfg.get("fused_reduce")) and splits > 1
     part = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
-    args = (x, xs, w, ws, out, part, bias if bias is not None else out, m, n, k, per,
+    cnt = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
+    args = (x, xs, w, ws, out, part, bias if bias is not None else out, cnt, m, n, k, per, splits,
             x.stride(0), w.stride(0), *xs_strides, *ws_strides)
-    meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and splits == 1)
-    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT:
+    meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and (splits == 1 or fused),
+                FUSED_REDUCE=fused)
+    explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
+    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit and not fused:
         _fp8_block_gemm_tuned[grid](*args, **meta)
     else:
-        _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
-    if splits > 1:
+        _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
+                                     num_stages=cfg.get("num_stages") or stages)
+    if splits > 1 and not fused:
         _reduce(part, out, bias, None)
     return out
 
@@ -378,17 +461,24 @@ def _block_operands(x_data, x_scale, w_data, w_scale):
 
 def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
                           w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                          out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None) -> torch.Tensor:
+                          out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None, *,
+                          block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                          num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
-    ceil(K/128)); bias (N,) or None -> (..., N) in out_dtype. ``split_k`` overrides the heuristic
-    number of K splits (benchmarks / tests).
+    ceil(K/128)); bias (N,) or None -> (..., N) in out_dtype.
+
+    Tuning knobs (None: a `DECODE_CONFIGS` entry for this device / shape when all are None, else the
+    defaults): ``split_k`` K splits (changes the fp32 summation order); ``block_n`` weight rows per
+    program (16 / 32 / 64 / 128); ``num_warps``, ``num_stages`` (pipeline depth); ``fused_reduce``:
+    the last split of each tile sums the partials (same bits as the separate reduce kernel, one launch
+    fewer; fused calls must run in stream order, see `_tile_counters`).
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, split_k)
+                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -6,7 +6,11 @@
 (flash-decoding: partial max, sum and unnormalised accumulator per split) and
 a small second kernel merges the splits. Numerics as in
 `engine.kernels.attention` (FP32 QK^T and softmax, P and dequantized V in
-bf16 for PV, FP32 accumulation, optional E4M3 1x128 output);
+bf16 for PV, FP32 accumulation, optional E4M3 1x128 output), with two
+FP8-cache refinements on by default (knobs `qk_fp16`, `fold_v_scale`): QK^T
+on fp16 operands (q rows scaled by a power of two; same products, cheaper
+E4M3 widening) and, with one V scale per token, the V scale applied to P
+(bf16(P * v_scale) @ V, V widened exactly) instead of to V.
 `paged_decode_attention_reference` runs the FP32 `Numerics.attention` on
 `gather`ed, dequantized K/V.
 
@@ -43,10 +47,19 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
                          PAGE: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, DQ_P: tl.constexpr,
                          DV_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_QS: tl.constexpr,
                          HAS_SCALES: tl.constexpr, V_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr):
+                         COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr,
+                         PAGE_TILE: tl.constexpr, QK_F16: tl.constexpr, V_ON_P: tl.constexpr):
     """Grid (batch*kv_heads, row blocks, splits). Rows r = g*TQ + i pack the GROUP query heads sharing one KV
-    head (times tq queries) into one tile; the split takes an equal share of the keys [lo, hi) its rows can see
-    and writes partial (max, sum, unnormalised acc) for the reduce kernel."""
+    head (times tq queries) into one tile; the split takes an equal share (whole BN tiles, BN-aligned) of the
+    keys [lo, hi) its rows can see and writes partial (max, sum, unnormalised acc) for the reduce kernel.
+
+    PAGE_TILE (BN <= PAGE): an aligned tile lies in one page: one block-table read per tile, contiguous slots.
+    QK_F16 (FP8 K, bf16 / FP8 q): each q row is scaled by a power of two into fp16 range and K is widened to
+    fp16 (one cvt per two elements instead of three for bf16); exact for every q element within 2**-28 of
+    its row's max, and the power of two is taken back out of the fp32 scores.
+    V_ON_P (FP8 V with one scale per token): the token's V scale multiplies P (BM x BN) instead of V
+    (BN x DV): V is widened exactly to bf16 and P * v_scale is rounded to bf16 once (one rounding less
+    than bf16(P) x bf16(V * v_scale))."""
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
@@ -62,7 +75,15 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     dq = tl.arange(0, DQ_P)
     dv = tl.arange(0, DV_P)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + head.to(tl.int64)[:, None] * sqh + i.to(tl.int64)[:, None] * sqt
-                + dq[None, :] * sqd, mask=rmask[:, None] & (dq[None, :] < DQ), other=0.0).to(COMPUTE)
+                + dq[None, :] * sqd, mask=rmask[:, None] & (dq[None, :] < DQ), other=0.0)
+    if QK_F16:
+        qf = q.to(tl.float32)
+        e = ((tl.max(tl.abs(qf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 amax)
+        sh = tl.minimum(tl.maximum(14 - e, -126), 126)  # row amax -> [2**14, 2**15)
+        q = (qf * ((sh + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        q_down = ((127 - sh) << 23).to(tl.float32, bitcast=True)  # (BM,) 2**-sh
+    else:
+        q = q.to(COMPUTE)
     row_scale = tl.full((BM,), qk_scale, tl.float32)
     if HAS_QS:
         row_scale = row_scale * tl.load(qs_ptr + b.to(tl.int64) * sqsb + head.to(tl.int64) * sqsh + i * sqst,
@@ -70,6 +91,7 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     hi = tl.minimum(seq_len, tl.max(tl.where(rmask, q_pos, -1)) + 1)
     if HAS_WINDOW:
         lo = tl.maximum(tl.min(tl.where(rmask, q_pos, 2147483647)) - window + 1, 0)
+        lo = lo - lo % BN  # aligned tiles; the keys below the window are masked by `vis`
     else:
         lo = 0
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NSPLIT), BN) * BN
@@ -81,11 +103,19 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     for n0 in range(start, end, BN):
         t = n0 + tl.arange(0, BN)
         tmask = t < end
-        page = tl.load(bt_ptr + seq * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = t % PAGE
-        k = tl.load(kc_ptr + page[:, None] * sk_blk + kvh * sk_h + slot[:, None] * sk_t + dq[None, :],
-                    mask=tmask[:, None] & (dq[None, :] < DQ), other=0.0)
-        s = _qk(q, k.to(COMPUTE), FP32_QK)  # (BM, BN)
+        if PAGE_TILE:
+            page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE).to(tl.int64)  # scalar
+            slot = n0 % PAGE + tl.arange(0, BN)
+        else:
+            page = tl.load(bt_ptr + seq * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)  # (BN,)
+            slot = t % PAGE
+        k_rows = page * sk_blk + kvh * sk_h + slot * sk_t  # (BN,) element offsets of each token's row
+        v_rows = page * sv_blk + kvh * sv_h + slot * sv_t
+        k = tl.load(kc_ptr + k_rows[:, None] + dq[None, :], mask=tmask[:, None] & (dq[None, :] < DQ), other=0.0)
+        if QK_F16:
+            s = _qk(q, k.to(tl.float16), False) * q_down[:, None]  # (BM, BN)
+        else:
+            s = _qk(q, k.to(COMPUTE), FP32_QK)
         if HAS_SCALES:
             ks = tl.load(kcs_ptr + page * sks_blk + kvh * sks_h + slot * sks_t, mask=tmask, other=1.0)
             s = s * ks[None, :]
@@ -95,10 +125,16 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
             vis = vis & (t[None, :] > q_pos[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, True)
-        v = _load_v(vc_ptr + page[:, None] * sv_blk + kvh * sv_h + slot[:, None] * sv_t + dv[None, :],
-                    vcs_ptr + page * svs_blk + kvh * svs_h + slot * svs_t, svs_g, tmask,
-                    HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(PV_DTYPE), v)
+        vs_rows = page * svs_blk + kvh * svs_h + slot * svs_t
+        if V_ON_P:
+            v = tl.load(vc_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+            vsc = tl.load(vcs_ptr + vs_rows, mask=tmask, other=1.0)  # (BN,)
+            pv = tl.dot((p * vsc[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
+        else:
+            v = _load_v(vc_ptr + v_rows[:, None] + dv[None, :], vcs_ptr + vs_rows, svs_g, tmask,
+                        HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
+            pv = tl.dot(p.to(PV_DTYPE), v)
+        acc = acc * alpha[:, None] + pv
     prow = ((b * (HKV * GROUP) + head) * TQ + i).to(tl.int64) * NSPLIT + split  # (BM,) into (B, H, TQ, S)
     tl.store(pm_ptr + prow, m_i, mask=rmask)
     tl.store(pl_ptr + prow, l_i, mask=rmask)
@@ -241,7 +277,9 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                            q_pos=None, scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            q_scale=None, block_n: int = 64, num_splits: Optional[int] = None,
                            out_dtype: torch.dtype = torch.float32, out_quant: Optional[str] = None,
-                           return_hp: bool = False, num_warps: int = 4, num_stages: int = 3):
+                           return_hp: bool = False, num_warps: int = 4, num_stages: int = 5,
+                           qk_fp16: Optional[bool] = None, fold_v_scale: Optional[bool] = None,
+                           maxnreg: Optional[int] = None):
     """Decode attention over the paged cache (split-K). Reference: `paged_decode_attention_reference`.
 
     q: (batch, heads, tq, head_dim) fp32 / bf16 / fp16 / float8_e4m3fn (with q_scale: per tensor,
@@ -249,7 +287,12 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     whose first seq_lens[b] tokens (default: cache.seq_lens) are the keys at positions 0..len-1; the
     queries sit at q_pos (tq,) or (batch, tq) (default: the last tq positions, len-tq..len-1), causal
     by position, optional sliding window. block_n: keys per tile (any page size); num_splits: programs
-    per (sequence, kv_head) (default: enough to fill the GPU; fix it for CUDA graphs).
+    per (sequence, kv_head) (default: about 4 programs per SM in one wave, rounded down; fix it for
+    CUDA graphs). Tuning knobs (see `_paged_decode_kernel`; benchmarks/tune_kernels.py sweeps them):
+    block_n, num_splits, num_warps, num_stages; maxnreg (registers per thread: at 4 warps the decode
+    kernel takes all 255 without it, i.e. 2 programs per SM; 128 allows 4 without spills on sm_90);
+    qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q) and fold_v_scale (default: on for an FP8
+    cache with one V scale per token, head_dim_v <= 128), both ignored where they do not apply.
 
     Returns (batch, tq, heads*head_dim_v) like `flash_attention` (fp32 / bf16, or with
     out_quant="e4m3:1x128" (data, scales[, fp32 output])).
@@ -275,7 +318,10 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         ctx = cache.context_bound(seq_ids, b)
-        num_splits = max(1, min(triton.cdiv(4 * sms, b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
+        # ~2 programs per SM, rounded down (a ceiling spills a few programs into a second wave); the H200 sweep
+        # (benchmarks/results/h200-2026-11-29-session3/tune_attention.txt) has 4 splits of batch 8 x 8 KV heads
+        # at 1.92 TB/s vs 1.90 for 8 and 1.74 for 48: with 5 pipeline stages fewer, longer programs win
+        num_splits = max(1, min((2 * sms) // (b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
     pm = torch.empty((b, h, tq, num_splits), device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty((b, h, tq, num_splits, dv), device=dev, dtype=torch.float32)
@@ -283,6 +329,8 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     kcs, vcs = cache.k_scale(layer), cache.v_scale(layer)
     compute, fp32_qk, pv = _compute_types(q.dtype, kc.dtype, vc.dtype)
     qk_scale = (1.0 / math.sqrt(dq) if scale is None else float(scale)) * LOG2E
+    f16_ok = cache.fp8 and q.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+    fold_ok = cache.fp8 and cache.v_groups == 1
     args = (q, qs if qs is not None else pm, kc, vc, kcs if kcs is not None else pm, vcs if vcs is not None else pm,
             cache.block_tables, ids, lens, qp, pm, pl, pacc,
             *q.stride(), *_strides(qs, 3), cache.block_tables.stride(0), qp.stride(0),
@@ -291,7 +339,9 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     kwargs = dict(PAGE=cache.block_size, DQ=dq, DV=dv, DQ_P=_pow2(dq), DV_P=_pow2(dv), BM=bm, BN=block_n,
                   HAS_QS=qs is not None, HAS_SCALES=cache.fp8, V_GROUPS=cache.v_groups,
                   HAS_WINDOW=sliding_window is not None, COMPUTE=compute, PV_DTYPE=pv, FP32_QK=fp32_qk,
-                  num_warps=num_warps, num_stages=num_stages)
+                  PAGE_TILE=block_n <= cache.block_size, QK_F16=f16_ok and (qk_fp16 is None or bool(qk_fp16)),
+                  V_ON_P=fold_ok and (fold_v_scale is None or bool(fold_v_scale)),
+                  num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
             f"paged_decode_attention(block_n={block_n})")
     out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp)

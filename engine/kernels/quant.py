@@ -13,9 +13,20 @@ The norm / activation part is fp32 math whose reduction order differs from
 torch's, so the fused kernels can return their pre-quant values
 (`return_hp=True`) to check the quantization bit-exactly on exactly those
 values. The pure-torch references sit beside each wrapper (`*_reference`).
+
+Tiling. Every kernel works on (R, 128) register tiles whose row r is one 1x128
+group: `_tile_rows` maps tile row r of a (BM rows x GB groups) program to
+(row, group), so a tile of GB consecutive groups of BM rows needs no in-kernel
+reshape. The wrappers take the tiling as keyword arguments (defaults in the
+`*_DEFAULTS` dicts; `benchmarks/tune_kernels.py` sweeps them). Tilings never
+change act_quant / SwiGLU bits; for RMSNorm they change the order of the
+sum of squares (so the last ulp of 1/rms), never the quantization of the
+returned normed values.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -25,113 +36,164 @@ GROUP = 128
 E4M3_MAX = 448.0
 
 
+# ------------------------------------------------------------------ jit helpers
 @triton.jit
-def _quant_tile(h, rows, cols, M, K, n_groups, gid, out_ptr, scale_ptr):
-    """Quantize an fp32 tile h (BM, 128) = one 1x128 group of BM rows; store FP8 data and the BM scales."""
-    amax = tl.max(tl.abs(h), axis=1)  # (BM,)
+def _tile_rows(pid_m, pid_g, BM: tl.constexpr, GB: tl.constexpr):
+    """(row, group) int32 (BM*GB,) of each tile row: GB consecutive groups of each of BM rows."""
+    r = tl.arange(0, BM * GB)
+    return pid_m * BM + r // GB, pid_g * GB + r % GB
+
+
+@triton.jit
+def _group_offsets(row, grp, M, K):
+    """Element offsets (R, 128) int64 and mask of the groups grp (R,) of rows row (R,) in a (M, K) tensor."""
+    cols = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = (row < M)[:, None] & (cols < K)
+    return row.to(tl.int64)[:, None] * K + cols, mask, cols
+
+
+@triton.jit
+def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr):
+    """Quantize h (R, 128) fp32, tile row r = the 1x128 group grp[r] of row row[r]; store FP8 data and R scales.
+
+    Masked-out elements must be 0 in h (they never raise an amax)."""
+    amax = tl.max(tl.abs(h), axis=1)  # (R,)
     n_nan = tl.sum((h != h).to(tl.int32), axis=1)
     scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
     scale = tl.where(amax == 0.0, 1.0, scale)
     nan = tl.sum(tl.where(h != h, h, 0.0), axis=1)  # NaN exactly where the group holds a NaN
     scale = tl.where(n_nan > 0, nan, scale)
-    y = tl.div_rn(h, scale[:, None])  # (BM, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    tl.store(out_ptr + rows[:, None] * K + cols[None, :], y.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
-             mask=mask)
-    tl.store(scale_ptr + rows * n_groups + gid, scale, mask=rows < M)
+    y = tl.div_rn(h, scale[:, None])  # (R, 128)
+    off, mask, _ = _group_offsets(row, grp, M, K)
+    tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(scale_ptr + row.to(tl.int64) * n_groups + grp, scale, mask=(row < M) & (grp < n_groups))
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr):
-    """Grid (row blocks, groups): plain 1x128 quantization of one (BM, 128) tile."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    gid = tl.program_id(1)
-    cols = gid * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    h = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _quant_tile(h, rows, cols, M, K, n_groups, gid, out_ptr, scale_ptr)
+def _rstd(ss, K, eps):
+    """1 / sqrt(ss / K + eps) with IEEE-rounded division and square root (ss: sums of squares)."""
+    var = tl.div_rn(ss, tl.full(ss.shape, K, tl.float32))
+    return tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+
+
+@triton.jit
+def _norm_quant_store(x, rstd, row, grp, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
+                      STORE_HP: tl.constexpr):
+    """h = w * (x * rstd) for x (R, 128) fp32 (rstd (R,) per tile row); optionally store h; quantize h."""
+    off, mask, cols = _group_offsets(row, grp, M, K)
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    h = w * (x * rstd[:, None])
+    if STORE_HP:
+        tl.store(hp_ptr + off, h, mask=mask)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
+
+
+# ---------------------------------------------------------------------- kernels
+@triton.jit
+def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr, GB: tl.constexpr):
+    """Grid (row blocks, group blocks): plain 1x128 quantization of a (BM rows x GB groups) tile."""
+    row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
+    off, mask, _ = _group_offsets(row, grp, M, K)
+    h = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
 
 
 @triton.jit
 def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, eps,
-                          BM: tl.constexpr, STORE_HP: tl.constexpr):
-    """Grid (row blocks,): pass 1 sums x^2 over the row in 128-wide chunks; pass 2 computes
-    h = w * (x * 1/sqrt(mean(x^2) + eps)) in fp32 and quantizes each 1x128 group."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    acc = tl.zeros((BM,), tl.float32)
-    for gid in range(0, n_groups):
-        cols = gid * 128 + tl.arange(0, 128)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(x * x, axis=1)
-    var = tl.div_rn(acc, tl.full(acc.shape, K, tl.float32))
-    rstd = tl.div_rn(tl.full(acc.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
-    for gid in range(0, n_groups):
-        cols = gid * 128 + tl.arange(0, 128)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        h = w[None, :] * (x * rstd[:, None])
-        if STORE_HP:
-            tl.store(hp_ptr + rows[:, None] * K + cols[None, :], h, mask=mask)
-        _quant_tile(h, rows, cols, M, K, n_groups, gid, out_ptr, scale_ptr)
+                          BM: tl.constexpr, GB: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
+                          STORE_HP: tl.constexpr):
+    """Grid (row blocks,): BM rows per program, walked in (BM*GB, 128) tiles (GB groups of each row).
+
+    ONE_PASS (GB*128 >= K): the whole rows stay in registers (x read once). Otherwise pass 1 sums x^2
+    chunk by chunk and pass 2 re-reads the chunks this program has just read (L1 / L2 hits: HBM still
+    sees x once) to compute h = w * (x * 1/sqrt(mean(x^2) + eps)) in fp32 and quantize each 1x128
+    group. STAGES > 1 software-pipelines both chunk loops (loads of later chunks in flight through
+    shared memory; Triton pipelines a loop without tl.dot only when tl.range asks for it)."""
+    row, sub = _tile_rows(tl.program_id(0), 0, BM, GB)
+    if ONE_PASS:
+        off, mask, _ = _group_offsets(row, sub, M, K)
+        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, axis=1)
+    else:
+        ss = tl.zeros((BM * GB,), tl.float32)
+        for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
+            off, mask, _ = _group_offsets(row, g0 + sub, M, K)
+            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            ss += tl.sum(xc * xc, axis=1)
+    if BM == 1:
+        rstd = _rstd(tl.zeros((GB,), tl.float32) + tl.sum(ss, axis=0), K, eps)
+    else:  # per-row totals, broadcast back to the row's GB tile rows
+        tot = tl.sum(tl.reshape(ss, (BM, GB)), axis=1)  # (BM,)
+        rstd = tl.reshape(tl.broadcast_to(_rstd(tot, K, eps)[:, None], (BM, GB)), (BM * GB,))
+    if ONE_PASS:
+        _norm_quant_store(x, rstd, row, sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups, STORE_HP)
+    else:
+        for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
+            off, mask, _ = _group_offsets(row, g0 + sub, M, K)
+            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            _norm_quant_store(xc, rstd, row, g0 + sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
+                              STORE_HP)
 
 
 @triton.jit
-def _rmsnorm_quant_row_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, eps,
-                              G: tl.constexpr, STORE_HP: tl.constexpr):
-    """Grid (rows,): single pass. The whole row is held as a (G, 128) register tile (G = n_groups
-    rounded up to a power of two), so x is read from HBM once: sum x^2, h = w * (x * 1/sqrt(mean + eps)),
-    then every 1x128 group (a tile row) is quantized like `_quant_tile`."""
-    row = tl.program_id(0)
+def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, eps,
+                                     G: tl.constexpr, STAGES: tl.constexpr, STORE_HP: tl.constexpr):
+    """Grid (programs,): one pass over whole rows (G = n_groups rounded up to a power of two groups per
+    (G, 128) tile). Each program loops over rows pid, pid + programs, ...; STAGES > 1 pipelines the
+    loop, so the next rows are loading (into shared memory) while this one is normalized and
+    quantized -- bytes in flight without holding more rows in registers. The weight is loaded once."""
     g = tl.arange(0, G)
-    c = tl.arange(0, 128)
-    cols = g[:, None] * 128 + c[None, :]  # (G, 128)
-    mask = cols < K
-    x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
-    ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
-    var = tl.div_rn(ss, K * 1.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = w * (x * rstd)
-    if STORE_HP:
-        tl.store(hp_ptr + row * K + cols, h, mask=mask)
-    amax = tl.max(tl.abs(h), axis=1)  # (G,)
-    n_nan = tl.sum((h != h).to(tl.int32), axis=1)
-    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    scale = tl.where(amax == 0.0, 1.0, scale)
-    nan = tl.sum(tl.where(h != h, h, 0.0), axis=1)
-    scale = tl.where(n_nan > 0, nan, scale)
-    y = tl.div_rn(h, scale[:, None])
-    tl.store(out_ptr + row * K + cols, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(scale_ptr + row * n_groups + g, scale, mask=g < n_groups)
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # (G, 128)
+    cmask = cols < K
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        base = tl.cast(row, tl.int64) * K
+        x = tl.load(x_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
+        h = w * (x * rstd[:, None])
+        if STORE_HP:
+            tl.store(hp_ptr + base + cols, h, mask=cmask)
+        _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr)
 
 
 @triton.jit
 def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups,
-                         BM: tl.constexpr, STORE_HP: tl.constexpr):
-    """Grid (row blocks, groups): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    gid = tl.program_id(1)
-    cols = gid * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    g = tl.load(g_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+                         BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr):
+    """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant.
+
+    FAST_SILU: the silu division is the approximate full-range one (div.full.f32, <= 2 ulp; tl.exp is
+    already approximate) instead of IEEE; the quantization's divisions stay IEEE (bit-exactness)."""
+    row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
+    off, mask, _ = _group_offsets(row, grp, M, K)
+    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if FAST_SILU:
+        h = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False) * u
+    else:
+        h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     if STORE_HP:
-        tl.store(hp_ptr + rows[:, None] * K + cols[None, :], h, mask=mask)
-    _quant_tile(h, rows, cols, M, K, n_groups, gid, out_ptr, scale_ptr)
+        tl.store(hp_ptr + off, h, mask=mask)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
 
 
-def _launch_shape(x: torch.Tensor) -> tuple[int, int, int]:
-    """(rows, K, groups) for a (..., K) CUDA tensor; asserts contiguity."""
-    assert x.is_cuda and x.is_contiguous(), "kernels take contiguous CUDA tensors"
+# --------------------------------------------------------------------- wrappers
+def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
+    """(rows, K, groups) for a (..., K) CUDA tensor (CPU under TRITON_INTERPRET=1)."""
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError(f"{name}: the Triton quant kernels need CUDA tensors (got device {x.device})")
+    if not x.is_contiguous() or x.dim() < 1:
+        raise ValueError(f"{name}: needs a contiguous (..., K) tensor, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}; call .contiguous() first")
     k = x.shape[-1]
-    return x.numel() // k, k, triton.cdiv(k, GROUP)
+    return x.numel() // max(k, 1), k, triton.cdiv(k, GROUP)
 
 
-BM_TILE = 32  # rows per tile for the per-group kernels
-BM_NORM = 8  # rows per program for the two-pass RMSNorm kernel
+def _pow2_knob(name: str, v: int, hi: int) -> int:
+    """Validate a power-of-two tiling knob in [1, hi]."""
+    if not (isinstance(v, int) and 1 <= v <= hi and v & (v - 1) == 0):
+        raise ValueError(f"{name}={v!r}: use a power of two between 1 and {hi}")
+    return v
 
 
 def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool):
@@ -142,11 +204,31 @@ def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool):
     return out, scales, hp
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 1x128 quantization of x (..., K): (data, scales). Reference: `act_quant_reference`."""
+# Tiling defaults (H200, 16384 x 7168 bf16): act_quant (32, 1, 4) measured 3.16 TB/s; SwiGLU bm 16 w4
+# 2.88 TB/s with the IEEE silu division. benchmarks/tune_kernels.py prints the best per shape.
+ACT_QUANT_DEFAULTS = dict(bm=32, gb=1, num_warps=4)
+SWIGLU_DEFAULTS = dict(bm=16, gb=1, num_warps=4, fast_silu=True)
+# RMSNorm: "chunked" = _rmsnorm_quant_kernel (bm rows, gb groups per step, two passes unless gb*128 >= K),
+# "persistent" = _rmsnorm_quant_persistent_kernel (programs_per_sm programs per SM, one pass, pipelined).
+RMSNORM_DEFAULTS = dict(mode="chunked", bm=1, gb=8, num_warps=4, num_stages=2, programs_per_sm=2)
+ROW_KERNEL_MAX_GROUPS = 128  # one-pass kernels hold at most 128 groups (16384 columns) per row in registers
+
+
+def act_quant(x: torch.Tensor, *, bm: int | None = None, gb: int | None = None,
+              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 1x128 quantization of x (..., K): (data (..., K) fp8, scales (..., ceil(K/128)) fp32).
+
+    Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`;
+    None takes `ACT_QUANT_DEFAULTS`. Reference: `act_quant_reference`."""
     rows, k, groups = _launch_shape(x)
+    bm = _pow2_knob("bm", ACT_QUANT_DEFAULTS["bm"] if bm is None else bm, 256)
+    gb = _pow2_knob("gb", ACT_QUANT_DEFAULTS["gb"] if gb is None else gb, 64)
     out, scales, _ = _outputs(x, rows, k, groups, False)
-    _act_quant_kernel[(triton.cdiv(rows, BM_TILE), groups)](x, out, scales, rows, k, groups, BM=BM_TILE, num_warps=4)
+    if rows == 0 or k == 0:
+        return out, scales
+    _act_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
+        x, out, scales, rows, k, groups, BM=bm, GB=gb,
+        num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"])
     return out, scales
 
 
@@ -158,32 +240,63 @@ def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.data, q.scale
 
 
-ROW_KERNEL_MAX_GROUPS = 128  # the single-pass kernel holds at most 128 groups (16384 columns) per row
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (4 for the CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: bool = False,
-                  single_pass: bool | None = None):
-    """Fused RMSNorm -> E4M3 1x128 quant: (data, scales[, fp32 normed]).
+                  single_pass: bool | None = None, *, mode: str | None = None, bm: int | None = None,
+                  gb: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  programs_per_sm: int | None = None):
+    """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]).
 
-    Default: the two-pass kernel (x read twice, any width; the faster one on the H200, where
-    the one-pass kernel's whole-row register tile limits occupancy). `single_pass=True` holds
-    rows of up to 16384 elements in registers and reads x once.
+    Kernels (knob None -> `RMSNORM_DEFAULTS`):
+
+    * mode="chunked": `bm` rows per program in steps of `gb` groups; one pass when gb*128 >= K, else
+      two passes whose second read hits L1/L2; `num_stages` pipelines the chunk loops.
+    * mode="persistent": `programs_per_sm` programs per SM loop over whole rows (one pass), the loop
+      pipelined `num_stages` deep; K <= 16384.
+
+    `single_pass=True` is the one-row-per-program one-pass kernel (chunked, bm=1, gb >= groups);
+    `single_pass=False` the chunked two-pass kernel with the given / default tiling.
     """
     rows, k, groups = _launch_shape(x)
-    assert weight.shape == (k,) and weight.is_cuda
+    if weight.shape != (k,) or weight.device != x.device:
+        raise ValueError(f"weight must be ({k},) on {x.device} for x {tuple(x.shape)}, got "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    d = RMSNORM_DEFAULTS
+    mode = mode or d["mode"]
+    bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 64)
+    gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 128)
+    stages = d["num_stages"] if num_stages is None else num_stages
+    warps = num_warps or d["num_warps"]
+    if mode == "persistent" and num_warps is None and d["mode"] != "persistent":
+        warps = 8  # the default warps are the chunked kernel's; a whole-row tile over 4 warps would spill
+    if single_pass is not None:  # the two historical kernels, expressed in the chunked kernel's knobs
+        mode = "chunked"
+        if single_pass:
+            bm, gb = 1, triton.next_power_of_2(groups)
+        elif gb >= groups:
+            gb = max(1, triton.next_power_of_2(groups) // 2)
+    one_pass = mode == "persistent" or gb * GROUP >= k
+    if one_pass and groups > ROW_KERNEL_MAX_GROUPS:
+        raise ValueError(f"rmsnorm_quant: one-pass tiling of rows of {k} columns exceeds "
+                         f"{ROW_KERNEL_MAX_GROUPS * GROUP}; use mode='chunked' with gb*128 < K")
     out, scales, hp = _outputs(x, rows, k, groups, return_hp)
-    if single_pass is None:  # measured on the H200 at 16384 x 7168: two-pass 1.52 TB/s, one-pass 1.01 TB/s
-        single_pass = False
-    if single_pass:
-        if groups > ROW_KERNEL_MAX_GROUPS:
-            raise ValueError(f"single_pass: rows of {k} columns exceed {ROW_KERNEL_MAX_GROUPS * 128}; use two-pass")
-        g = triton.next_power_of_2(groups)
-        _rmsnorm_quant_row_kernel[(rows,)](x, weight.contiguous(), out, scales, hp, rows, k, groups, eps,
-                                           G=g, STORE_HP=return_hp, num_warps=4 if g <= 16 else 8 if g <= 64 else 16)
-    else:
-        _rmsnorm_quant_kernel[(triton.cdiv(rows, BM_NORM),)](x, weight.contiguous(), out, scales, hp, rows, k,
-                                                             groups, eps, BM=BM_NORM, STORE_HP=return_hp,
-                                                             num_warps=4)
+    w = weight.contiguous()
+    if rows and k:
+        if mode == "persistent":
+            progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * _sm_count(x.device)))
+            _rmsnorm_quant_persistent_kernel[(progs,)](
+                x, w, out, scales, hp, rows, k, groups, eps, G=triton.next_power_of_2(groups), STAGES=stages,
+                STORE_HP=return_hp, num_warps=warps)
+        elif mode == "chunked":
+            _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
+                x, w, out, scales, hp, rows, k, groups, eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages,
+                STORE_HP=return_hp, num_warps=warps)
+        else:
+            raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
     return (out, scales, hp) if return_hp else (out, scales)
 
 
@@ -195,17 +308,25 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
     return d, s, h
 
 
-def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, bm: int = 16,
-                 num_warps: int = 4):
-    """Fused SwiGLU (silu(gate) * up) -> E4M3 1x128 quant: (data, scales[, fp32 activation]).
+def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, bm: int | None = None,
+                 num_warps: int | None = None, *, gb: int | None = None, fast_silu: bool | None = None):
+    """Fused SwiGLU (silu(gate) * up) of gate, up (..., K) -> E4M3 1x128 quant: (data, scales[, fp32 activation]).
 
-    `bm` rows x 128 columns per program (a tiling knob the benchmark sweeps; any value gives the same bits;
-    16 measured best on the H200: 2.88 TB/s vs 2.40 at 32)."""
-    assert gate.shape == up.shape and up.is_contiguous()
-    rows, k, groups = _launch_shape(gate)
+    Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`.
+    `fast_silu` picks the approximate silu division (see `_swiglu_quant_kernel`). None -> `SWIGLU_DEFAULTS`."""
+    if gate.shape != up.shape or not up.is_contiguous():
+        raise ValueError(f"swiglu_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape "
+                         "and be contiguous")
+    rows, k, groups = _launch_shape(gate, "gate")
+    d = SWIGLU_DEFAULTS
+    bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 256)
+    gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 64)
     out, scales, hp = _outputs(gate, rows, k, groups, return_hp)
-    _swiglu_quant_kernel[(triton.cdiv(rows, bm), groups)](gate, up, out, scales, hp, rows, k, groups,
-                                                          BM=bm, STORE_HP=return_hp, num_warps=num_warps)
+    if rows and k:
+        _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
+            gate, up, out, scales, hp, rows, k, groups, BM=bm, GB=gb,
+            FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
+            num_warps=num_warps or d["num_warps"])
     return (out, scales, hp) if return_hp else (out, scales)
 
 

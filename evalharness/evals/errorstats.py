@@ -2,7 +2,22 @@
 
 Nothing holds all activations: each update folds one batch into running sums
 and a fixed log-spaced histogram of absolute errors (for quantiles), on the
-tensors' own device.
+tensors' own device, without synchronizing a GPU.
+
+Two implementations fold a batch into the same state: `fold_reference`
+(pure torch, any device) and, for CUDA tensors when Triton is installed,
+`evalharness.evals.errorstats_triton.fold` (two kernel launches: one pass
+over the data with per-program float64 partials and an in-register
+histogram, then one program that adds them into the state). Per tap, a
+forward's capture cost on a GPU is mostly the host overhead of launching
+work (the engine's forward is itself hundreds of small kernels), hence two
+launches instead of a chain of ~40 torch ops (benchmarks/bench_capture.py
+measures capture on vs off).
+
+State (float64, on the tensors' device): ``state`` (8,) = [<e,e>, <e,r>,
+<r,r>, <d,d>, sum |d|, count of finite engine entries, max |d|, max |r|]
+with d = e - r; ``hist`` (720,) = counts of |d| in log-spaced bins (exact
+integers up to 2**53).
 """
 
 from __future__ import annotations
@@ -11,79 +26,122 @@ import math
 
 import torch
 
-# Histogram of |error| on log10 scale: bins cover 1e-12 .. 1e6; zeros go to bin 0.
-_LOG_LO, _LOG_HI, _BINS = -12.0, 6.0, 720
+# Histogram of |error| on log10 scale: bins cover 1e-12 .. 1e6; zeros (and anything <= 1e-12) go to bin 0.
+LOG_LO, LOG_HI, BINS = -12.0, 6.0, 720
+# Each bin spans (HI - LO) / BINS = 0.025 decades: its upper edge is 10**0.025 = 1.0593x its lower edge.
+BIN_RATIO = 10 ** ((LOG_HI - LOG_LO) / BINS)
+# histc puts x == max into the last bin; clamping just below it keeps huge errors (and inf) there too.
+_LOG_TOP = LOG_HI - 0.5 * (LOG_HI - LOG_LO) / BINS
+STATE_SIZE = 8
+N_SUMS = 6  # state[:6] are sums, state[6:] maxima
+EE, ER, RR, DD, ABS_D, COUNT, MAX_D, MAX_R = range(STATE_SIZE)
+
+
+def fold_reference(e: torch.Tensor, r: torch.Tensor, state: torch.Tensor, hist: torch.Tensor) -> None:
+    """Fold e, r (n,) (any float dtypes, one device) into `state` (8,) and `hist` (BINS,) float64, in place.
+
+    Entries where e is not finite count as no error: e and r are zeroed there (d = 0 lands in bin 0;
+    `ErrorAccumulator` removes them from it, knowing how many there were). On a CPU, a tensor whose
+    sum is finite skips the masking (a branch on a value costs nothing there; on a GPU it would sync)."""
+    e = e.to(torch.float64)
+    r = r.to(torch.float64)
+    if e.device.type == "cpu" and math.isfinite(float(e.sum())):
+        count = torch.tensor(float(e.numel()), dtype=torch.float64)
+    else:
+        finite = torch.isfinite(e)  # (n,)
+        e, r = torch.where(finite, e, 0.0), torch.where(finite, r, 0.0)
+        count = finite.sum()
+    d = e - r  # (n,)
+    ad = d.abs()
+    r_lo, r_hi = torch.aminmax(r)
+    state[:N_SUMS].add_(torch.stack((e.dot(e), e.dot(r), r.dot(r), d.dot(d), ad.sum(), count.to(torch.float64))))
+    torch.maximum(state[N_SUMS:], torch.stack((ad.max(), torch.maximum(-r_lo, r_hi))), out=state[N_SUMS:])
+    log_err = torch.log10(ad).clamp_(LOG_LO, _LOG_TOP)  # (n,)
+    hist += torch.histc(log_err, bins=BINS, min=LOG_LO, max=LOG_HI)  # NaN (a NaN reference) is left out
+
+
+def _triton_fold():
+    """The Triton `fold`, or None where Triton is not installed (CPU-only CI)."""
+    try:
+        from evalharness.evals.errorstats_triton import fold
+    except ImportError:
+        return None
+    return fold
 
 
 class ErrorAccumulator:
     """Running error statistics of `engine` vs `reference` tensors of one tap.
 
     Stats: rel_l2 = ||e - r|| / ||r||, cosine = <e, r> / (||e|| ||r||),
-    sqnr_db = 10 log10(||r||^2 / ||e - r||^2), max_abs, mean_abs, p50/p99/p999_abs
-    (from the histogram, relative bin width 5.9%), ref_amax and nonfinite count.
+    sqnr_db = 10 log10(||r||^2 / ||e - r||^2), max_abs, mean_abs,
+    p50/p99/p999_abs, ref_amax and the non-finite fraction.
+
+    Quantiles come from the histogram of |e - r| (720 log-spaced bins over
+    [1e-12, 1e6]) and report the upper edge of the bin that holds the
+    ceil(q n)-th smallest error x_(k): ``x_(k) <= p <= x_(k) * BIN_RATIO``
+    (BIN_RATIO = 1.0593: at most 5.9 % high) for errors inside that range;
+    0 when x_(k) <= 1e-12 (exact zeros included), 1e6 when x_(k) > 1e6.
+
+    Sums accumulate in float64; entries where the engine is not finite count
+    as no error (both sides zeroed) and are reported as ``nonfinite_frac``.
+    `kernel`: None (default) uses the Triton fold for CUDA tensors when Triton
+    is installed, False always the torch one (`fold_reference`).
     """
 
-    def __init__(self) -> None:
-        # Running sums live on the tensors' device as 0-d tensors: an update never synchronizes a GPU
-        # (the capture overhead of a whole forward's taps); `result` reads them once at the end.
-        self._acc: dict[str, torch.Tensor] | None = None
-        self.hist: torch.Tensor | None = None
+    def __init__(self, kernel: bool | None = None) -> None:
+        self.kernel = kernel
+        self.state: torch.Tensor | None = None  # (8,) float64, layout in the module docstring
+        self.hist: torch.Tensor | None = None  # (BINS,) float64 counts
+        self._seen = 0  # entries folded in (finite or not): known on the host without a sync
 
     def update(self, engine: torch.Tensor, reference: torch.Tensor) -> None:
-        """Fold one batch in (shapes must match; float64 sums for stability; no host sync)."""
+        """Fold one batch in: `engine` and `reference` of the same shape (any), float dtypes; no host sync."""
         if engine.shape != reference.shape:
             raise ValueError(f"tap shapes differ: engine {tuple(engine.shape)} vs reference {tuple(reference.shape)}")
-        e = engine.detach().double().flatten()
-        r = reference.detach().double().flatten().to(e.device)
-        finite = torch.isfinite(e)
-        zero = torch.zeros((), dtype=torch.float64, device=e.device)
-        e, r = torch.where(finite, e, zero), torch.where(finite, r, zero)  # non-finite entries count as no error
-        d = e - r
-        ad = d.abs()
-        ok = finite.sum()
-        upd = {"rr": r.dot(r), "ee": e.dot(e), "er": e.dot(r), "dd": d.dot(d), "abs": ad.sum(),
-               "max_abs": ad.max() if ad.numel() else zero, "ref_amax": r.abs().max() if r.numel() else zero,
-               "count": ok, "nonfinite": finite.numel() - ok}
-        if self._acc is None:
-            self._acc = upd
-        else:
-            for k, v in upd.items():
-                self._acc[k] = torch.maximum(self._acc[k], v) if k in ("max_abs", "ref_amax") else self._acc[k] + v
-        logs = torch.log10(ad.clamp_min(10 ** _LOG_LO))
-        idx = ((logs - _LOG_LO) / (_LOG_HI - _LOG_LO) * _BINS).long().clamp(0, _BINS - 1)
-        h = torch.zeros(_BINS, dtype=torch.int64, device=e.device).index_add_(0, idx, finite.long())
-        self.hist = h if self.hist is None else self.hist + h
-
-    def _get(self, key: str) -> float:
-        """One running sum as a Python number (a host sync on a GPU; only `result` and friends call it)."""
-        return 0.0 if self._acc is None else float(self._acc[key])
+        e = engine.detach().reshape(-1)  # (n,)
+        r = reference.detach().reshape(-1).to(e.device)  # (n,)
+        if self.state is None:
+            self.state = torch.zeros(STATE_SIZE, dtype=torch.float64, device=e.device)
+            self.hist = torch.zeros(BINS, dtype=torch.float64, device=e.device)
+        elif self.state.device != e.device:
+            raise ValueError(f"tap tensors moved from {self.state.device} to {e.device} between updates")
+        if e.numel():
+            fold = _triton_fold() if e.is_cuda and self.kernel is not False else None
+            if fold is None and self.kernel:
+                raise RuntimeError("ErrorAccumulator(kernel=True) needs CUDA tensors and Triton")
+            (fold or fold_reference)(e.contiguous(), r.contiguous(), self.state, self.hist)
+        self._seen += e.numel()
 
     @property
     def count(self) -> int:
         """Finite elements folded in so far."""
-        return int(self._get("count"))
+        return 0 if self.state is None else int(self.state[COUNT])
 
     @property
     def nonfinite(self) -> int:
         """Non-finite engine elements seen so far."""
-        return int(self._get("nonfinite"))
+        return self._seen - self.count
 
     def quantile(self, q: float) -> float:
-        """Approximate q-quantile of |error| (upper edge of the bin holding it)."""
+        """q-quantile of |error| from the histogram: the upper edge of the bin holding the
+        ceil(q n)-th smallest error (at most BIN_RATIO = 1.0593x the exact order statistic)."""
         count = self.count
         if self.hist is None or count == 0:
             return float("nan")
-        cdf = torch.cumsum(self.hist.cpu(), 0).double() / count
-        i = int(torch.searchsorted(cdf, torch.tensor([q], dtype=torch.float64)).clamp(max=_BINS - 1))
+        h = self.hist.detach().cpu().clone()
+        h[0] -= self.nonfinite  # the zeroed non-finite entries sit in bin 0
+        cdf = torch.cumsum(h, 0) / count
+        i = int(torch.searchsorted(cdf, torch.tensor([q], dtype=torch.float64)).clamp(max=BINS - 1))
         if i == 0:
             return 0.0  # the quantile lies among errors <= 1e-12 (bin 0 also holds exact zeros)
-        return 10 ** (_LOG_LO + (i + 1) * (_LOG_HI - _LOG_LO) / _BINS)
+        return 10 ** (LOG_LO + (i + 1) * (LOG_HI - LOG_LO) / BINS)
 
     def result(self) -> dict[str, float]:
         """The statistics as a flat dict of floats (NaN where undefined)."""
-        count, nonfinite = self.count, self.nonfinite
+        s = [0.0] * STATE_SIZE if self.state is None else self.state.detach().cpu().tolist()
+        count, nonfinite = int(s[COUNT]), self._seen - int(s[COUNT])
         n = max(count, 1)
-        rr, ee, er, dd = (self._get(k) for k in ("rr", "ee", "er", "dd"))
+        ee, er, rr, dd = s[EE], s[ER], s[RR], s[DD]
         rel = math.sqrt(dd / rr) if rr > 0 else (0.0 if dd == 0 else math.inf)
         denom = math.sqrt(ee * rr)
         cos = er / denom if denom > 0 else (1.0 if dd == 0 else 0.0)
@@ -93,11 +151,11 @@ class ErrorAccumulator:
             "rel_l2": rel,
             "cosine": cos,
             "sqnr_db": min(sqnr, 300.0),  # identical tensors: report a capped 300 dB, not Inf
-            "max_abs": self._get("max_abs"),
-            "mean_abs": self._get("abs") / n,
+            "max_abs": s[MAX_D],
+            "mean_abs": s[ABS_D] / n,
             "p50_abs": 0.0 if exact else self.quantile(0.5),
             "p99_abs": 0.0 if exact else self.quantile(0.99),
             "p999_abs": 0.0 if exact else self.quantile(0.999),
-            "ref_amax": self._get("ref_amax"),
+            "ref_amax": s[MAX_R],
             "nonfinite_frac": nonfinite / max(count + nonfinite, 1),
         }

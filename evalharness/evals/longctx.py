@@ -26,7 +26,8 @@ Metrics ``longctx.<name>``: ``<measure>_eng`` / ``<measure>_ref`` pairs,
 ``div_*``, ``passkey_*``, ``passkey.L<L>.d<pct>.acc_{eng,ref}``, ``kld_*``.
 Per-prompt, per-trial and per-position arrays go into the samples. The
 reference side of every part is computed once per model and reused by every
-recipe (``EvalContext.reference_cached``).
+recipe (``EvalContext.reference_cached``). Wall seconds of each part go into
+the result's timing as ``longctx.<part>_s``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import json
 import math
 import random
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -326,7 +328,9 @@ def run_longctx(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     runners = {"degeneration": run_degeneration, "passkey": run_passkey, "kld": run_kld_by_position}
     for part in PARTS:
         if part in parts:
+            t0 = time.perf_counter()
             m, s = runners[part](ctx, cfg)
+            ctx.timing[f"longctx.{part}_s"] = time.perf_counter() - t0  # engine and (uncached) reference
             metrics.update(m)
             samples.update(s)
     return metrics, samples

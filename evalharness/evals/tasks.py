@@ -28,6 +28,10 @@ continuous and much more sensitive signal than accuracy). Samples:
 ``<task>.correct_ref`` / ``<task>.correct_eng`` (0/1 per document, in doc
 order) for paired gate tests, ``<task>.ll_absdiff`` when available.
 
+Timing (the result's ``timing``): ``tasks.<task>.eng_s`` (the engine's pass over the task) and
+``tasks.<task>.ref_s`` (the reference's, in the run that computed it; later recipes reuse it), wall
+seconds including lm-eval's own request building and scoring.
+
 Settings: ``tasks`` (names; default the seven above), ``limit`` (documents
 per task: an int, or ``{task: n}``; default all), ``num_fewshot`` (an int or
 ``{task: n}``; default each task's own), ``batch_size`` (sequences per
@@ -46,6 +50,7 @@ import io
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -295,11 +300,16 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
 
         def compute(task=task, fewshot=fewshot, limit=limit):
             """The reference's per-document results for this task (once per model)."""
+            t0 = time.perf_counter()
             ref_lm = HarnessLM(ctx.reference, ctx.tokenizer, batch_size=batch_size, name="reference")
-            return evaluate_task(ref_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
+            out = evaluate_task(ref_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
+            ctx.timing[f"tasks.{task}.ref_s"] = time.perf_counter() - t0
+            return out
 
         ref = ctx.reference_cached(key, compute)
+        t0 = time.perf_counter()
         eng = evaluate_task(engine_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
+        ctx.timing[f"tasks.{task}.eng_s"] = time.perf_counter() - t0
         _check_paired(ref, eng)
         m, s = paired_task_metrics(ref, eng, seed=ctx.seed)
         metrics.update({f"{ref['task']}.{k}": v for k, v in m.items()})

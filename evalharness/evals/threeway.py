@@ -54,6 +54,10 @@ def _mean_ci(x: torch.Tensor) -> tuple[float, float, float]:
     """Mean with its Student-t 95% interval over per-window values (`evalharness.stats.mean_ci`)."""
     from evalharness.stats import mean_ci
 
+    if not bool(torch.isfinite(x).all()):
+        # NaN / inf logits in some window (a broken kernel can overflow): an unbounded divergence, reported
+        # as inf with no interval rather than an error, so the attribution still names the culprit
+        return float("inf"), float("nan"), float("nan")
     values = x.double().flatten().tolist()
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -128,7 +132,8 @@ def run_threeway(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float
         per_win = torch.cat(kld[key])
         m, lo, hi = _mean_ci(per_win)
         metrics.update({f"{key}.kld_mean": m, f"{key}.kld_mean_lo": lo, f"{key}.kld_mean_hi": hi,
-                        f"{key}.top1_agree": float(torch.cat(top1[key]).mean())})
+                        f"{key}.top1_agree": float(torch.cat(top1[key]).mean()),
+                        f"{key}.nonfinite_windows": float((~torch.isfinite(per_win)).sum())})
         samples[f"{key}.window_kld"] = per_win.tolist()
     f, k = metrics["format.kld_mean"], metrics["kernel.kld_mean"]
     metrics["kernel_share"] = k / (f + k) if f + k > 0 else 0.0

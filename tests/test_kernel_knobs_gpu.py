@@ -1,0 +1,214 @@
+"""Tuning knobs of the Triton kernels (the values benchmarks/tune_kernels.py sweeps) keep the numerics
+(GPU only; skipped without CUDA).
+
+* quant: every tiling / mode gives FP8 data + scales bit-exact with the formats library on the kernel's
+  own pre-quant values; act_quant / SwiGLU tilings give identical bits to the default tiling;
+* GEMM: block_n / split_k / pipeline knobs stay within the fp32 tolerance of test_gemm_gpu.py; the fused
+  split-K reduction gives the same bits as the two-kernel path; a DECODE_CONFIGS entry is what the
+  dispatch runs;
+* paged decode attention: qk_fp16 changes only the conversion path (scores agree to ~1e-6 even for q rows
+  scaled by 2**+-60), fold_v_scale and the tile knobs stay within the attention tolerance of the FP32
+  reference.
+
+DEV / LIBRARY_BITS: a CPU run under TRITON_INTERPRET=1 (a dev script) sets DEV = "cpu" and
+LIBRARY_BITS = False (the interpreter's fp8 casts differ from the GPU's, so only kernel-vs-kernel bits
+are compared there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+LIBRARY_BITS = True
+ATT_TOL = 1.5e-2  # tests/test_attention_gpu.py: max |out - ref| <= 1.5e-2 * max |ref|
+GEMM_TOL = 2e-3  # tests/test_gemm_gpu.py, fp32 output of the FP8 tensor-core path
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of an FP8 tensor."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """Seeded normal fp32 tensor on DEV."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV)
+
+
+# --------------------------------------------------------------------------------------------- quant
+def _heavy(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed rows with a zero group and a group holding the row max exactly at 448."""
+    x = _randn(rows, k, seed=seed) / (torch.rand(rows, k, generator=torch.Generator().manual_seed(seed)).to(DEV)
+                                      .clamp_min(1e-3))
+    x[:, :128] = 0.0
+    x[0, 130] = 448.0
+    return x
+
+
+RMS_CONFIGS = [dict(), dict(single_pass=True), dict(single_pass=False, gb=2, num_stages=3),
+               dict(mode="chunked", bm=2, gb=4, num_warps=8, num_stages=2),
+               dict(mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)]
+
+
+@pytest.mark.parametrize("shape", [(5, 1000), (9, 7168)])
+def test_rmsnorm_quant_every_tiling_is_library_exact(shape):
+    """Each mode / tiling: quantization bit-exact on its own normed values, normed values within 4e-6 of torch."""
+    from engine.kernels.quant import act_quant, act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
+
+    x = _heavy(*shape, seed=shape[1]).to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(shape[1], generator=torch.Generator().manual_seed(1))).to(DEV)
+    _, _, href = rmsnorm_quant_reference(x, w, 1e-5)
+    for cfg in RMS_CONFIGS:
+        d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True, **cfg)
+        rd, rs = act_quant_reference(h) if LIBRARY_BITS else act_quant(h)
+        assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32)), cfg
+        rel = ((h - href).abs() / href.abs().clamp_min(1e-30))[href != 0].max().item()
+        assert rel < 4e-6, (cfg, rel)
+        d2, s2 = rmsnorm_quant(x, w, 1e-5, **cfg)  # without the fp32 side output: the same bits
+        assert torch.equal(_bits(d2), _bits(d)) and torch.equal(s2, s), cfg
+
+
+def test_act_and_swiglu_tilings_same_bits():
+    """Tilings never change act_quant / SwiGLU bits; the IEEE silu (fast_silu=False) is within 2e-5 of torch too."""
+    from engine.kernels.quant import act_quant, swiglu_quant, swiglu_quant_reference
+
+    x = _heavy(7, 1000, seed=3).contiguous()
+    d0, s0 = act_quant(x)
+    d1, s1 = act_quant(x, bm=4, gb=2, num_warps=2)
+    assert torch.equal(_bits(d0), _bits(d1)) and torch.equal(s0, s1)
+    g = _heavy(7, 1000, seed=4).clamp(-60, 60).to(torch.bfloat16).contiguous()
+    u = _randn(7, 1000, seed=5).to(torch.bfloat16).contiguous()
+    _, _, href = swiglu_quant_reference(g, u)
+    ref = swiglu_quant(g, u, return_hp=True)
+    for cfg in (dict(bm=2, gb=4), dict(bm=32, gb=1, num_warps=8)):
+        d, s, h = swiglu_quant(g, u, return_hp=True, **cfg)
+        assert torch.equal(_bits(d), _bits(ref[0])) and torch.equal(s, ref[1]) and torch.equal(h, ref[2]), cfg
+    _, _, h_ieee = swiglu_quant(g, u, return_hp=True, fast_silu=False)
+    for h in (ref[2], h_ieee):
+        assert torch.allclose(h, href, rtol=2e-5, atol=1e-30)
+
+
+def test_quant_knobs_reject_bad_values():
+    """Non power-of-two tilings and one-pass rows wider than 16384 raise clear errors."""
+    from engine.kernels.quant import act_quant, rmsnorm_quant
+
+    x = _randn(2, 256, seed=6)
+    with pytest.raises(ValueError, match="power of two"):
+        act_quant(x, bm=3)
+    wide = _randn(1, 16512, seed=7)
+    with pytest.raises(ValueError, match="16384"):
+        rmsnorm_quant(wide, torch.ones(16512, device=DEV), 1e-5, mode="persistent")
+
+
+# ---------------------------------------------------------------------------------------------- GEMM
+def _block_operands(m: int, n: int, k: int, seed: int):
+    """e4m3:1x128 activations, e4m3:128x128 weights with per-block magnitudes 2**U{-4..4}."""
+    from engine.formats import quantize
+
+    def blocky(rows, cols, r, c, s):
+        x = _randn(rows, cols, seed=s)
+        g = torch.Generator().manual_seed(s + 1)
+        mag = torch.exp2(torch.randint(-4, 5, (-(-rows // r), -(-cols // c)), generator=g).float()).to(DEV)
+        return x * mag.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
+
+    xq = quantize(blocky(m, k, 1, 128, seed), "e4m3:1x128")
+    wq = quantize(blocky(n, k, 128, 128, seed + 2), "e4m3:128x128")
+    return xq.data, xq.scale, wq.data, wq.scale
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error."""
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_fp8_gemm_knobs_and_fused_reduce(m):
+    """block_n / split_k / warps / stages within tolerance; fused split-K reduce == two-kernel path, bit for bit."""
+    from engine.kernels import gemm as G
+
+    n, k = 320, 1152  # K/128 = 9 groups: uneven splits; N not a multiple of 128
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=10 + m)
+    bias = _randn(n, seed=12)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    for bn in (32, 128):
+        for split in (1, 4):
+            plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32, split_k=split,
+                                            block_n=bn, num_warps=4, num_stages=3)
+            assert _rel(plain, ref) < GEMM_TOL, (bn, split)
+            fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32, split_k=split,
+                                            block_n=bn, num_warps=4, num_stages=3, fused_reduce=True)
+            assert torch.equal(fused, plain), (bn, split)
+    assert int(G._COUNTERS[xd.device].abs().sum()) == 0  # the last split of each tile reset its counter
+    with pytest.raises(ValueError, match="block_n"):
+        G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
+
+
+def test_decode_configs_entry_is_dispatched(monkeypatch):
+    """fp8_block_linear runs a DECODE_CONFIGS entry for (device, N, K, BM) exactly as the explicit knobs do."""
+    from engine.kernels import gemm as G
+
+    xd, xs, wd, ws = _block_operands(3, 256, 640, seed=20)
+    dev = xd.device
+    key = (G._device_name(dev.type, dev.index), 256, 640, 16)
+    cfg = dict(split_k=3, block_n=32, num_warps=4, num_stages=2, fused_reduce=True)
+    monkeypatch.setitem(G.DECODE_CONFIGS, key, cfg)
+    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **cfg)
+    assert torch.equal(tuned, explicit)
+    monkeypatch.delitem(G.DECODE_CONFIGS, key)
+    default = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(default, tuned) < GEMM_TOL
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _cache(page: int, lens: list[int], seed: int):
+    """An FP8 paged cache (2 KV heads, d 128) holding random sequences of the given lengths."""
+    from engine.kernels.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(1, sum(-(-n // page) for n in lens), page, 2, 128, max_seqs=len(lens), device=DEV)
+    for s, n in enumerate(lens):
+        cache.allocate(s, n)
+        cache.write(0, [s], [0], _randn(1, 2, n, 128, seed=seed + s, scale=1.0 + s),
+                    _randn(1, 2, n, 128, seed=seed + 50 + s))
+    return cache
+
+
+def _att_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|."""
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("page,window", [(16, None), (64, 300)])
+def test_paged_decode_knobs_within_tolerance(page, window):
+    """Every numerics flag / tile knob combination stays within the attention tolerance of the FP32 reference."""
+    from engine.kernels.paged_kv import paged_decode_attention, paged_decode_attention_reference
+
+    cache = _cache(page, [777, 1500], seed=30)
+    q = _randn(2, 8, 2, 128, seed=31).to(torch.bfloat16)
+    ref = paged_decode_attention_reference(q, cache, 0, sliding_window=window)
+    cfgs = [dict(qk_fp16=False, fold_v_scale=False), dict(qk_fp16=True, fold_v_scale=False),
+            dict(qk_fp16=False, fold_v_scale=True), dict(),
+            dict(block_n=32, num_stages=5, maxnreg=96, num_splits=7), dict(block_n=128, num_warps=8, num_splits=3)]
+    for cfg in cfgs:
+        out = paged_decode_attention(q, cache, 0, sliding_window=window, **cfg)
+        assert torch.isfinite(out).all() and _att_rel(out, ref) <= ATT_TOL, (cfg, _att_rel(out, ref))
+
+
+def test_paged_decode_qk_fp16_is_exact_for_extreme_q():
+    """qk_fp16 rescales each q row by a power of two: rows of magnitude 2**-60 and 2**60 give the same output
+    as the bf16 path (products are exact either way; only the fp32 accumulation order may differ)."""
+    from engine.kernels.paged_kv import paged_decode_attention
+
+    cache = _cache(64, [500, 300], seed=40)
+    q = _randn(2, 8, 1, 128, seed=41)
+    q[0, :4] *= 2.0**-60  # scores ~0: uniform attention
+    q[0, 4:] *= 2.0**60  # huge scores: attention on the top key
+    q[1, :4] *= 2.0**-3
+    q = q.to(torch.bfloat16)
+    a = paged_decode_attention(q, cache, 0, qk_fp16=True, fold_v_scale=False)
+    b = paged_decode_attention(q, cache, 0, qk_fp16=False, fold_v_scale=False)
+    assert torch.isfinite(a).all() and _att_rel(a, b) <= 1e-5, _att_rel(a, b)
