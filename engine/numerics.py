@@ -64,6 +64,8 @@ class Numerics:
     * ``attn.softmax`` / ``rel_l2``: attention probabilities vs a float64
       QK^T + softmax of the same cached Q/K; isolates the `attn.softmax`
       precision.
+    * ``router`` / ``rel_l2``: MoE router logits vs float64 logits of the same
+      (high-precision) input and prepared weight: the router's own precision.
     * ``kv.k`` / ``kv.v`` / ``headroom_bits``: per KV head, log2(format max /
       largest encoded |element| of that head), averaged over heads: the
       range a head's scale wastes. 0 with per-head dynamic scales; a shared
@@ -234,10 +236,14 @@ class Numerics:
         spec = self.recipe.spec("router", module)
         if spec in _FLOAT_DTYPES:
             dtype = _FLOAT_DTYPES[spec]
-            return F.linear(x.to(dtype), w.to(dtype)).float()
-        # a quantized router (a planted bug, or an experiment): the input in that format, the prepared
-        # weight already holds its values; fp32 accumulation
-        return F.linear(self.quant(x, "router", module).dequantize(), w.float())
+            logits = F.linear(x.to(dtype), w.to(dtype)).float()
+        else:
+            # a quantized router (a planted bug, or an experiment): the input in that format, the prepared
+            # weight already holds its values; fp32 accumulation
+            logits = F.linear(self.quant(x, "router", module).dequantize(), w.float())
+        if self.local is not None:  # the router's own precision: its input / weight formats and its GEMM
+            self._local_rel(module, "router", logits, F.linear(x.double(), w.double()))
+        return logits
 
     def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
             experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None], cfg: MoeConfig, module: str,

@@ -23,10 +23,11 @@ Procedure (everything through the real runner and the real gate):
    control sees the same family as in CI.
 3. Report: planted caught = gate exit 1; null false alarm = gate exit 1;
    entries whose requirement no suite model meets (router on a dense-only
-   suite), or that the engine cannot express yet, are "n/a", neither caught
-   nor missed. Each variant also gets its *effect size*: the largest
-   worsening of kld_mean / top1_agree / ppl_ratio in units of the gate's noise
-   floor (sqrt(2) x the baseline's standard error). A planted change with an
+   suite), that the engine cannot express yet, or that change no metric at
+   all (a no-op on these models), are "n/a", neither caught nor missed.
+   Each variant also gets its *effect size*: the largest worsening of
+   kld_mean / top1_agree / ppl_ratio in units of the gate's noise floor
+   (sqrt(2) x the baseline's standard error). A planted change with an
    effect below NOISE_K (3) noise floors is invisible at this suite's
    resolution: no gate can flag it without flagging noise of the same size
    (the null variants show that size). Writes `OUT/selftest.json` and
@@ -279,6 +280,25 @@ def effect_size(vdir: Path, baselines: Path, keys: set[str]) -> dict[str, Any] |
     return best
 
 
+def _no_op(vdir: Path, baselines: Path, keys: set[str]) -> bool:
+    """True when each variant cell's metrics equal its baseline's exactly (the planted change did nothing)."""
+    from evalharness.gate import baseline_path, hardware_class
+    from evalharness.results import load_result
+
+    suite_name = json.loads((vdir / "suite.json").read_text()).get("name", "default")
+    seen = 0
+    for key in sorted(keys):
+        path = vdir / f"{key}.json"
+        if not path.exists():
+            continue
+        cur = load_result(path)
+        bpath = baseline_path(baselines, suite_name, key, hardware_class(cur))
+        if not bpath.exists() or cur["metrics"] != load_result(bpath)["metrics"]:
+            return False
+        seen += 1
+    return seen > 0
+
+
 def _gate_variant(entry: Entry, vdir: Path, baselines: Path, keys: set[str], models: list[str],
                   t0: float) -> Outcome:
     """Gate one variant's results dir and classify the outcome."""
@@ -295,6 +315,10 @@ def _gate_variant(entry: Entry, vdir: Path, baselines: Path, keys: set[str], mod
         out.status, out.reason = "error", "; ".join(missing)
     elif entry.kind == "planted":
         out.status = "caught" if code == 1 else "MISSED"
+        if code == 0 and _no_op(vdir, baselines, keys):
+            out.status = "n/a"
+            out.reason = ("a no-op on these models: every metric of every cell is identical to the baseline's "
+                          "(e.g. per-tensor vs per-head K scales with a single cached K head, MLA)")
     else:
         out.status = "FALSE ALARM" if code == 1 else "ok"
     out.effect = effect_size(vdir, baselines, keys)

@@ -110,3 +110,17 @@ def test_probe_changes_no_bits():
     assert torch.equal(eng.logits(toks), eng.logits(toks, local=sink))
     m, _ = sink.result()
     assert {"local.linear.accum.rel_l2", "local.attn.softmax.rel_l2", "local.kv.k.headroom_bits"} <= set(m)
+
+
+def test_router_precision_isolated():
+    """The router's own error: an FP32 router ~1e-7 relative to float64 logits, an E4M3 router >= 1e-3
+    (the planted `router-e4m3` bug), on the same high-precision input and weight."""
+    torch.manual_seed(4)
+    x, w = torch.randn(64, 256), torch.randn(16, 256) / 16
+    got = {}
+    for recipe in ("fp8-block", f"{SELFTEST}/router-e4m3.yaml"):
+        nx, sink = _nx(recipe)
+        nx.router(x, nx.prepare_weight(w, "router", "layers.1.mlp.gate"), "layers.1.mlp.gate")
+        got[recipe] = sink.result()[0]["local.router.rel_l2"]
+    assert got["fp8-block"] < 1e-6
+    assert got[f"{SELFTEST}/router-e4m3.yaml"] > 1e-3

@@ -193,3 +193,28 @@ def test_selftest_outputs(selftest_report):
     assert keys == {f"tiny-llama__{r}__default__cpu-emulated" for r in ("fp8-block", "fp8-kv", "fp8-tensor")}
     manifest = yaml.safe_load((vdir / "suite.json").read_text())
     assert manifest["name"] == "smoke" and manifest["gate"]["correction"] == "holm"
+
+
+def test_no_op_planted_change_is_not_applicable(tmp_path):
+    """A planted change that leaves every metric of every cell identical to the baseline (per-tensor vs
+    per-head K scales on an MLA model with one cached K head) is reported n/a, not MISSED; one changed
+    metric makes it a real outcome again."""
+    from evalharness.gate import baseline_path, hardware_class
+    from evalharness.results import load_result
+    from evalharness.selftest import _no_op
+
+    key = "zoo-moe__fp8-block__default__cpu-emulated"
+    src = REPO / "baselines" / "smoke" / f"{key}.json"
+    vdir, bdir = tmp_path / "variant", tmp_path / "baselines"
+    vdir.mkdir()
+    (vdir / "suite.json").write_text(json.dumps({"name": "smoke"}))
+    doc = json.loads(src.read_text())
+    bpath = baseline_path(bdir, "smoke", key, hardware_class(load_result(src)))
+    bpath.parent.mkdir(parents=True, exist_ok=True)
+    bpath.write_text(json.dumps(doc))
+    (vdir / f"{key}.json").write_text(json.dumps(doc))
+    assert _no_op(vdir, bdir, {key})
+    doc["metrics"]["ppl_kld.kld_mean"] *= 1.0000001
+    (vdir / f"{key}.json").write_text(json.dumps(doc))
+    assert not _no_op(vdir, bdir, {key})
+    assert not _no_op(vdir, bdir, {"zoo-moe__nope__default__cpu-emulated"})  # nothing compared: not a no-op
