@@ -241,6 +241,21 @@ def _strongest_fail(fails: list) -> Any:
     return max(fails, key=lambda v: (v.mode == "tolerance", _ratio(v))) if fails else None
 
 
+def _cells(vdir: Path, baselines: Path, keys: set[str]):
+    """(run key, variant result, its baseline or None) for each variant cell written under `vdir`."""
+    from evalharness.gate import baseline_path, hardware_class
+    from evalharness.results import load_result
+
+    suite_name = json.loads((vdir / "suite.json").read_text()).get("name", "default")
+    for key in sorted(keys):
+        path = vdir / f"{key}.json"
+        if not path.exists():
+            continue
+        cur = load_result(path)
+        bpath = baseline_path(baselines, suite_name, key, hardware_class(cur))
+        yield key, cur, (load_result(bpath) if bpath.exists() else None)
+
+
 def effect_size(vdir: Path, baselines: Path, keys: set[str]) -> dict[str, Any] | None:
     """The variant's largest worsening of the primary metrics in units of the gate's noise floor.
 
@@ -250,21 +265,13 @@ def effect_size(vdir: Path, baselines: Path, keys: set[str]) -> dict[str, Any] |
     is below this suite's resolution: no gate could flag it without also flagging
     noise of the same size.
     """
-    from evalharness.gate import _samples, baseline_path, hardware_class
+    from evalharness.gate import _samples
     from evalharness.gate_rules import noise_floor_se
-    from evalharness.results import load_result
 
-    suite_name = json.loads((vdir / "suite.json").read_text()).get("name", "default")
     best = None
-    for key in sorted(keys):
-        path = vdir / f"{key}.json"
-        if not path.exists():
+    for key, cur, base in _cells(vdir, baselines, keys):
+        if base is None:
             continue
-        cur = load_result(path)
-        bpath = baseline_path(baselines, suite_name, key, hardware_class(cur))
-        if not bpath.exists():
-            continue
-        base = load_result(bpath)
         for metric, direction, samples in EFFECT_METRICS:
             v, b = cur["metrics"].get(metric), base["metrics"].get(metric)
             if not isinstance(v, (int, float)) or not isinstance(b, (int, float)):
@@ -282,18 +289,9 @@ def effect_size(vdir: Path, baselines: Path, keys: set[str]) -> dict[str, Any] |
 
 def _no_op(vdir: Path, baselines: Path, keys: set[str]) -> bool:
     """True when each variant cell's metrics equal its baseline's exactly (the planted change did nothing)."""
-    from evalharness.gate import baseline_path, hardware_class
-    from evalharness.results import load_result
-
-    suite_name = json.loads((vdir / "suite.json").read_text()).get("name", "default")
     seen = 0
-    for key in sorted(keys):
-        path = vdir / f"{key}.json"
-        if not path.exists():
-            continue
-        cur = load_result(path)
-        bpath = baseline_path(baselines, suite_name, key, hardware_class(cur))
-        if not bpath.exists() or cur["metrics"] != load_result(bpath)["metrics"]:
+    for _, cur, base in _cells(vdir, baselines, keys):
+        if base is None or cur["metrics"] != base["metrics"]:
             return False
         seen += 1
     return seen > 0
