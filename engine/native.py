@@ -101,6 +101,12 @@ def _dense(w: torch.Tensor | NativeWeight) -> torch.Tensor:
     return w.dequantize() if isinstance(w, NativeWeight) else w
 
 
+def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> QTensor:
+    """The `e4m3:1x128` QTensor of x (..., K) from a Triton kernel's FP8 data and (rows, K/128) scales."""
+    return QTensor(data=data.reshape(x.shape), scale=scale.reshape(*x.shape[:-1], -1),
+                   spec=parse_spec("e4m3:1x128"), shape=x.shape, orig_dtype=x.dtype)
+
+
 class NativeNumerics(Numerics):
     """`Numerics` with real GPU kernels at the dispatch points that have one (module docstring).
 
@@ -153,8 +159,7 @@ class NativeNumerics(Numerics):
 
     def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Keep the fused kernel's E4M3 1x128 quantization of `hp` for the `quant` call that follows."""
-        self._fused = (hp, QTensor(data=data.reshape(hp.shape), scale=scale.reshape(*hp.shape[:-1], -1),
-                                   spec=parse_spec("e4m3:1x128"), shape=hp.shape, orig_dtype=hp.dtype))
+        self._fused = (hp, _block_qtensor(hp, data, scale))
         return hp
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
@@ -184,21 +189,17 @@ class NativeNumerics(Numerics):
         producer's own quantization of exactly those values is returned (same bits)."""
         spec = spec or self.recipe.spec(site, module)
         fused, self._fused = self._fused, None
-        if (fused is not None and spec == "e4m3:1x128" and self.observer is None and x.is_cuda
-                and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape
-                and x.dtype == fused[0].dtype and not (
-                    self.recipe.scales and self.recipe.static_scale(site, module) is not None)):
+        native = spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
+            self.recipe.scales and self.recipe.static_scale(site, module) is not None)
+        if native and fused is not None and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape \
+                and x.dtype == fused[0].dtype:
             self._count("quant", "native")
-            q = fused[1]
-            return q if q.shape == x.shape else dataclasses.replace(
-                q, data=q.data.reshape(x.shape), scale=q.scale.reshape(*x.shape[:-1], -1), shape=x.shape)
-        if spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
-                self.recipe.scales and self.recipe.static_scale(site, module) is not None):
+            return fused[1]
+        if native:
             k = x.shape[-1]
             data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous())
             self._count("quant", "native")
-            return QTensor(data=data.reshape(x.shape), scale=scale.reshape(*x.shape[:-1], -1),
-                           spec=parse_spec(spec), shape=x.shape, orig_dtype=x.dtype)
+            return _block_qtensor(x, data, scale)
         self._count("quant", "fallback:" + spec)
         return super().quant(x, site, module, spec)
 
