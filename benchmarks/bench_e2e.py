@@ -8,10 +8,11 @@ FFN 14336, vocab 128256) with random weights, built directly on the GPU; with
 use `--layers` to shorten it). For each engine and batch size: prefill a
 128-token prompt, then time `steps` decode steps (CUDA events, median per
 step) and report tokens/s, the bytes one step must read (weights in their
-storage format + the KV cache so far) and the fraction of the HBM copy
-bandwidth measured in the same run that this implies (the roofline).
-Memory: the prepared weights' storage bytes and the KV cache bytes of each
-path. transformers (bf16, eager, its own KV cache) runs the same shapes in
+storage format -- of the embedding table only the rows looked up, of a MoE's
+routed experts only those the batch is expected to pick -- + the KV cache so
+far) and the fraction of the HBM copy bandwidth measured in the same run that
+this implies (the roofline). Memory ("weights+KV memory"): the prepared
+weights' whole storage bytes and the KV cache bytes of each path. transformers (bf16, eager, its own KV cache) runs the same shapes in
 the same process as the outside reference point.
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
@@ -77,20 +78,39 @@ def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def weight_bytes(engine) -> int:
-    """Storage bytes of the engine's prepared GEMM weights + embeddings/head in their recipe format."""
+def _tensor_bytes(engine, name: str, w) -> int:
+    """Storage bytes of one prepared weight in its recipe format."""
     from engine.native import NativeWeight
     from engine.recipe import storage_bits
 
-    total = 0
+    if isinstance(w, NativeWeight):
+        return w.storage_bytes()
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        site = "embed" if name.startswith("model.") else "lm_head"
+        return int(w.numel() * storage_bits(engine.recipe.spec(site, site)) / 8)
+    return w.numel() * w.element_size()
+
+
+def weight_bytes(engine) -> int:
+    """Storage bytes of the engine's prepared GEMM weights + embeddings/head in their recipe format (the footprint)."""
+    return sum(_tensor_bytes(engine, name, w) for name, w in engine.weights.items())
+
+
+def step_weight_bytes(engine, cfg, batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens must read (the roofline's numerator): every tensor, except
+    that the embedding table contributes only the `batch` rows looked up, and each routed expert only with the
+    probability that at least one of the batch's tokens picks it (1 - (1 - k/E)^batch, uniform routing: random
+    weights route near-uniformly)."""
+    moe = cfg.moe
+    touched = 1.0 - (1.0 - moe.top_k / moe.num_experts) ** batch if moe is not None else 1.0
+    total = 0.0
     for name, w in engine.weights.items():
-        if isinstance(w, NativeWeight):
-            total += w.storage_bytes()
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            site = "embed" if name.startswith("model.") else "lm_head"
-            total += int(w.numel() * storage_bits(engine.recipe.spec(site, site)) / 8)
-        else:
-            total += w.numel() * w.element_size()
+        b = _tensor_bytes(engine, name, w)
+        if name == "model.embed_tokens.weight":
+            b = b * min(batch, cfg.vocab_size) / cfg.vocab_size
+        elif ".mlp.experts." in name:
+            b = b * touched
+        total += b
     return total
 
 
@@ -145,7 +165,7 @@ def profile_steps(step, label: str, n: int = 3) -> str:
 
 
 def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, small_m: int | None = None) -> dict:
     """Decode timing of the engine's cuda-native path for one recipe and batch size.
 
     runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
@@ -154,7 +174,7 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
     from engine.api import Engine
     from engine.model import KVCache
 
-    eng = Engine(model, recipe, backend="cuda-native")
+    eng = Engine(model, recipe, backend="cuda-native", **({"small_m": small_m} if small_m is not None else {}))
     cfg = model.cfg
     toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
     state = {}
@@ -187,8 +207,10 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
             if profile else None
     wb = weight_bytes(eng)
     kvb = kv_bytes_per_token(cfg, eng.recipe) * batch * (prompt + steps // 2)
-    out = {"engine": f"{'runtime' if runtime else 'native'}/{recipe}", "batch": batch, "step_s": t, "tok_s": batch / t,
-           "weight_bytes": wb, "kv_bytes": kvb, "bytes_per_step": wb + kvb,
+    tag = "" if small_m is None else f"@m{small_m}"
+    out = {"engine": f"{'runtime' if runtime else 'native'}{tag}/{recipe}", "batch": batch, "step_s": t, "tok_s": batch / t,
+           "weight_bytes": wb, "kv_bytes": kvb, "memory_bytes": wb + kvb,
+           "bytes_per_step": step_weight_bytes(eng, cfg, batch) + kvb,
            "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")},
            "profile": prof_text}
     del eng, state
@@ -221,6 +243,16 @@ def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dic
     with torch.no_grad():
         t = time_decode(step, prefill, steps)
     wb = sum(p.numel() * p.element_size() for p in model.parameters())
+    e, k = hf_cfg.get("num_experts"), hf_cfg.get("num_experts_per_tok")
+    touched = 1.0 - (1.0 - k / e) ** batch if e else 1.0
+    step_wb = 0.0  # as step_weight_bytes: embedding rows looked up, routed experts by the chance they are picked
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            b = b * batch / hf_cfg["vocab_size"]
+        elif ".experts." in name:
+            b = b * touched
+        step_wb += b
     kvb = hf_cfg["num_hidden_layers"] * hf_cfg["num_key_value_heads"] * (
         hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]) * 2 * 2 * batch * (
         prompt + steps // 2)
@@ -228,7 +260,7 @@ def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dic
     gc.collect()
     torch.cuda.empty_cache()
     return {"engine": "transformers/bf16", "batch": batch, "step_s": t, "tok_s": batch / t,
-            "weight_bytes": wb, "kv_bytes": kvb, "bytes_per_step": wb + kvb}
+            "weight_bytes": wb, "kv_bytes": kvb, "memory_bytes": wb + kvb, "bytes_per_step": step_wb + kvb}
 
 
 def main() -> None:
@@ -243,6 +275,9 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--runtime", action="store_true", help="also time the paged runtime with CUDA-graph decode")
     ap.add_argument("--profile", action="store_true", help="print each configuration's top kernels per decode step")
+    ap.add_argument("--small-m", type=int, default=None,
+                    help="cuda-native small_m (token count up to which GEMMs run the Triton decode kernel, above: "
+                         "cuBLAS); rows are tagged @mN")
     args = ap.parse_args()
     from engine.config import ModelConfig
     from engine.model import Transformer
@@ -272,7 +307,8 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for runtime in (False, True) if args.runtime else (False,):
                 try:
-                    rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime, args.profile))
+                    rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime, args.profile,
+                                             args.small_m))
                     if rows[-1]["profile"]:
                         say(rows[-1]["profile"])
                 except Exception as exc:  # one failing configuration must not hide the others
@@ -295,7 +331,7 @@ def main() -> None:
         mode = r["engine"].split("/")[0]
         bf = by.get((f"{mode}/bf16", r["batch"])) if mode != "transformers" else None
         if not r["engine"].endswith("/bf16") and bf:
-            note = f"{bf['step_s'] / r['step_s']:.2f}x vs {mode} bf16; weights+KV {r['bytes_per_step'] / bf['bytes_per_step']:.2f}x"
+            note = f"{bf['step_s'] / r['step_s']:.2f}x vs {mode} bf16; weights+KV memory {r['memory_bytes'] / bf['memory_bytes']:.2f}x"
         if "coverage" in r:
             note += f" native {r['coverage']}"
         say(f"{r['engine']:22s} {r['batch']:5d} {r['step_s'] * 1e3:9.2f} {r['tok_s']:9.1f} "

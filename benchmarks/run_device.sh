@@ -43,7 +43,7 @@ for part in $parts; do
     tests)
       run gpu_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/test_kernels_gpu.py tests/test_gemm_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py \
-        tests/test_native_gpu.py tests/formats/test_formats_gpu.py tests/test_runtime_gpu.py ;;
+        tests/test_native_gpu.py tests/formats/test_formats_gpu.py tests/test_runtime_gpu.py tests/test_rope_kernel.py ;;
     tests-engine)  # the engine-level GPU tests only (kernels have their own files)
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/test_native_gpu.py tests/test_runtime_gpu.py tests/test_moe_gpu.py tests/formats/test_formats_gpu.py ;;

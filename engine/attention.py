@@ -86,9 +86,9 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     hq = nx.act_quant(hn, tp + "attn.qkv")  # fused RMSNorm -> quant, shared by q/k/v
     if nx.tapping:
         nx.emit(tp + "attn_norm", hq.dequantize())
-    q = nx.linear(hq, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"), tp + "attn.q_proj")
-    k = nx.linear(hq, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"), tp + "attn.k_proj")
-    v = nx.linear(hq, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"), tp + "attn.v_proj")
+    names = ("q_proj", "k_proj", "v_proj")
+    q, k, v = nx.linears(hq, [w[f"{p}self_attn.{n}.weight"] for n in names],
+                         [w.get(f"{p}self_attn.{n}.bias") for n in names], [f"{tp}attn.{n}" for n in names])
     nx.emit(tp + "attn.q", q)
     nx.emit(tp + "attn.k", k)
     nx.emit(tp + "attn.v", v)
@@ -105,8 +105,8 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     if cfg.clip_qkv is not None:
         c = cfg.clip_qkv
         q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-    q = apply_rope(q.view(b, t, h, hd).transpose(1, 2), cos, sin)  # (batch, heads, t, hd)
-    k = apply_rope(k.view(b, t, hkv, hd).transpose(1, 2), cos, sin)  # (batch, kv_heads, t, hd)
+    # (batch, heads, t, hd), (batch, kv_heads, t, hd)
+    q, k = nx.rope(q.view(b, t, h, hd).transpose(1, 2), k.view(b, t, hkv, hd).transpose(1, 2), cos, sin)
     v = v.view(b, t, hkv, hd).transpose(1, 2)  # (batch, kv_heads, t, hd)
     if cache is not None and hasattr(cache, "attend"):  # paged runtime: the cache stores (in format) and attends
         return _attn_output(nx, w, cache.attend(nx, i, q, k, v, tp + "attn", cfg.window(i)), p, tp)

@@ -134,36 +134,34 @@ class Transformer:
         x = F.embedding(tokens, w["model.embed_tokens.weight"])  # (batch, t, d)
         x = nx.round(x, "residual", "embed")
         nx.emit("embed", x)
-        for i in range(cfg.num_layers):
-            x = self._layer(nx, w, i, x, pos, cos, sin, cache)
+        # Each residual add is taken together with the RMSNorm that reads its result (`Numerics.residual_norm`:
+        # the next layer's attn_norm, or final_norm after the last layer), so a backend can fuse them.
+        eps, n = cfg.rms_norm_eps, cfg.num_layers
+        norms = [(w[f"model.layers.{i}.input_layernorm.weight"], f"layers.{i}.attn_norm") for i in range(n)]
+        norms.append((w["model.norm.weight"], "final_norm"))
+        hn = nx.rmsnorm(x, norms[0][0], eps, norms[0][1])
+        for i in range(n):
+            x, m = self._layer(nx, w, i, x, hn, pos, cos, sin, cache)
+            x, hn = nx.residual_norm(x, m, *norms[i + 1][:1], eps, f"layers.{i}.resid_out", norms[i + 1][1])
         if cache is not None:
             cache.length += t
-        h = nx.rmsnorm(x, w["model.norm.weight"], cfg.rms_norm_eps, "final_norm")
-        nx.emit("final_norm", h)
-        head_spec = nx.recipe.spec("lm_head", "lm_head")
-        if head_spec in ("fp32", "bf16", "fp16"):
-            h = nx.round(h, "lm_head", "lm_head")  # high-precision head: input in the same float type
-        else:
-            h = nx.quant(h, "linear.input", "lm_head").dequantize()
-        logits = F.linear(h, w["lm_head.weight"])  # (batch, t, vocab), fp32 GEMM
+        nx.emit("final_norm", hn)
+        logits = nx.lm_head(hn, w["lm_head.weight"])  # (batch, t, vocab) fp32
         nx.emit("logits", logits)
         return logits
 
-    def _layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, pos: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """One decoder layer: x + attn(norm(x)), then + mlp(norm(.)) (dense or MoE)."""
+    def _layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, hn: torch.Tensor,
+               pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer on the residual stream x and its attn_norm hn: (x + attn(hn) = resid_mid,
+        mlp(norm(resid_mid))) -- the caller adds the MLP output (with the next norm)."""
         cfg = self.cfg
         p, tp = f"model.layers.{i}.", f"layers.{i}."
-        hn = nx.rmsnorm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, tp + "attn_norm")
         if cfg.mla is not None:
             o = mla_attention(nx, w, cfg, i, hn, pos, cos, sin, cache, self.softmax_scale)
         else:
             o = gqa_attention(nx, w, cfg, i, hn, pos, cos, sin, cache)
-        x = nx.round(x + o, "residual", tp + "resid_mid")
-        nx.emit(tp + "resid_mid", x)
-
-        hn = nx.rmsnorm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, tp + "mlp_norm")
+        x, hn = nx.residual_norm(x, o, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, tp + "resid_mid",
+                                 tp + "mlp_norm")
         m = moe_block(nx, w, cfg, i, hn) if cfg.is_moe(i) else dense_block(nx, w, i, hn)
-        x = nx.round(x + m, "residual", tp + "resid_out")
-        nx.emit(tp + "resid_out", x)
-        return x
+        return x, m

@@ -25,8 +25,9 @@ def swiglu_mlp(nx: Numerics, w: Mapping[str, torch.Tensor], hq: QTensor, prefix:
 
     Emits `act_tap` (the SwiGLU output as read by down_proj) when given.
     """
-    g = nx.linear(hq, w[prefix + "gate_proj.weight"], w.get(prefix + "gate_proj.bias"), module + ".gate_proj")
-    u = nx.linear(hq, w[prefix + "up_proj.weight"], w.get(prefix + "up_proj.bias"), module + ".up_proj")
+    g, u = nx.linears(hq, [w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]],
+                      [w.get(prefix + "gate_proj.bias"), w.get(prefix + "up_proj.bias")],
+                      [module + ".gate_proj", module + ".up_proj"])
     act = nx.swiglu(g, u, module)
     aq = nx.act_quant(act, module + ".down_proj")  # fused SwiGLU -> quant
     if act_tap is not None and nx.tapping:

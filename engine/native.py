@@ -107,11 +107,28 @@ def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> 
                    spec=parse_spec("e4m3:1x128"), shape=x.shape, orig_dtype=x.dtype)
 
 
+def _consecutive(ts: Sequence[torch.Tensor]) -> bool:
+    """The 2-d row-major tensors `ts` lie back to back in one storage (a stack of them is a view)."""
+    t0 = ts[0]
+    if not all(t.is_contiguous() and t.dim() == 2 and t.shape[1] == t0.shape[1] for t in ts):
+        return False
+    ptr = t0.untyped_storage().data_ptr()
+    off = t0.storage_offset()
+    for t in ts:
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off:
+            return False
+        off += t.numel()
+    return True
+
+
 class NativeNumerics(Numerics):
     """`Numerics` with real GPU kernels at the dispatch points that have one (module docstring).
 
     `small_m`: token count at or below which linear layers use the decode
-    (small-M) FP8 kernel instead of cuBLAS. `attn_block`: the attention
+    (small-M) FP8 kernel instead of cuBLAS (64: Llama-3-8B decode at batch 64 on
+    the H200 took 6.15 ms per step with it vs 7.14 ms with cuBLAS blockwise from
+    M = 17 up, benchmarks/results/h200-2026-11-29-session4; bench_e2e.py --small-m
+    compares). `attn_block`: the attention
     kernel's key/query tile (64, 128 or 256; a serving-config knob).
     """
 
@@ -132,7 +149,10 @@ class NativeNumerics(Numerics):
         self.coverage: collections.Counter[str] = collections.Counter()
         # (fp32 values, their E4M3 1x128 QTensor) from the last fused producer, consumed by the next `quant`
         self._fused: Optional[tuple[torch.Tensor, QTensor]] = None
+        self._fused_fmt: Optional[str] = None  # the float format the fused values are already rounded to
         self._moe_stacks: dict[str, tuple] = {}
+        self._stacks: dict[tuple, tuple] = {}  # merged q/k/v, gate/up weights (see `linears`)
+        self._mm_dtype_broken: Optional[str] = None  # why torch.mm(out_dtype=) failed, if it did (lm_head)
 
     def _count(self, op: str, how: str) -> None:
         """Record one call of `op` that ran `how` (native, or fallback:<reason>)."""
@@ -157,10 +177,42 @@ class NativeNumerics(Numerics):
                 and x.dim() >= 1 and x.shape[-1] % 128 == 0 and x.numel() > 0
                 and x.dtype in (torch.float32, torch.bfloat16))
 
-    def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Keep the fused kernel's E4M3 1x128 quantization of `hp` for the `quant` call that follows."""
+    def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                  fmt: Optional[str] = None) -> torch.Tensor:
+        """Keep the fused kernel's E4M3 1x128 quantization of `hp` for the `quant` call that follows; `fmt`: the
+        float format hp's values are already rounded to (a `round` to it then returns hp itself)."""
         self._fused = (hp, _block_qtensor(hp, data, scale))
+        self._fused_fmt = fmt
         return hp
+
+    def remember_rounded(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+        """A producer kernel (the paged attention's output) rounded its fp32 output `hp` to `fmt` and quantized
+        it E4M3 1x128 (data, scale): the `round` to `fmt` and the `quant` that follow take those."""
+        return self._remember(hp, data, scale, fmt)
+
+    def round(self, x: torch.Tensor, site: str, module: str) -> torch.Tensor:
+        """As the emulation, except that the last fused producer's output, already rounded to this site's format,
+        is returned as is (its pending quantization stays valid)."""
+        f = self._fused
+        if f is not None and self._fused_fmt is not None and x is f[0] and self.observer is None \
+                and self.recipe.spec(site, module) == self._fused_fmt:
+            return x
+        return super().round(x, site, module)
+
+    def query_carrier(self, q: torch.Tensor, module: str) -> torch.Tensor:
+        """The attention query in its `attn.q` format for a kernel: bf16 / fp16 formats as that dtype (the
+        same values as `round`, half the bytes), anything else as `round`'s fp32 values."""
+        spec = self.recipe.spec("attn.q", module)
+        if spec in ("bf16", "fp16") and self.observer is None:
+            return q.to(_FLOAT_DTYPES[spec])
+        return self.round(q, "attn.q", module)
+
+    def fused_attn_out(self, o_proj: str) -> bool:
+        """The paged attention may emit o_proj's input directly: the attention output is stored in bf16
+        (`attn.out`) and o_proj quantizes its input E4M3 1x128 dynamically, nobody observing quants."""
+        return (self.recipe.spec("attn.out", o_proj) == "bf16" and self.recipe.spec("linear.input", o_proj)
+                == "e4m3:1x128" and self.observer is None
+                and not (self.recipe.scales and self.recipe.static_scale("linear.input", o_proj) is not None))
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
         """fp32 RMSNorm through the fused RMSNorm+quant kernel (its quantization kept for `quant`)."""
@@ -181,6 +233,51 @@ class NativeNumerics(Numerics):
         self._count("swiglu", "native")
         return self._remember(hp.reshape(gate.shape), data, scale)
 
+    def residual_norm(self, x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float, resid: str,
+                      norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add (+ its bf16 / fp32 rounding) and the fp32 RMSNorm -> quant of the result in one Triton
+        pass (`add_rmsnorm_quant`); the residual is bit-exact with the emulation, the norm as `rmsnorm`."""
+        res_spec = self.recipe.spec("residual", resid)
+        if (res_spec not in ("bf16", "fp32") or self.recipe.spec("norm", norm) != "fp32" or not self._fusable(x)
+                or o.shape != x.shape or o.device != x.device or weight.shape != x.shape[-1:]
+                or x.shape[-1] > self._quant_k.ROW_KERNEL_MAX_GROUPS * 128):
+            self._count("residual_norm", "fallback")
+            return super().residual_norm(x, o, weight, eps, resid, norm)
+        r, data, scale, hp = self._quant_k.add_rmsnorm_quant(x.contiguous(), o.contiguous(), weight.float().contiguous(),
+                                                             eps, round_bf16=res_spec == "bf16")
+        r = r.reshape(x.shape)
+        self.emit(resid, r)
+        self._count("residual_norm", "native")
+        return r, self._remember(hp.reshape(x.shape), data, scale)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE of q and k in one Triton launch (bit-identical to `apply_rope`) on fp32 CUDA input."""
+        if not (q.is_cuda and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32 and q.shape[-1] <= 256):
+            self._count("rope", "fallback")
+            return super().rope(q, k, cos, sin)
+        from engine.kernels.rope import rope_qk
+
+        self._count("rope", "native")
+        return rope_qk(q, k, cos, sin)
+
+    def lm_head(self, h: torch.Tensor, w: torch.Tensor | NativeWeight) -> torch.Tensor:
+        """A bf16 / fp16 head (the recipe's `lm_head` format) as one cuBLAS GEMM on the weight stored in that
+        dtype (half the bytes of its fp32 values), fp32 accumulation and fp32 logits; else the emulation."""
+        spec = self.recipe.spec("lm_head", "lm_head")
+        if (isinstance(w, NativeWeight) and w.q is None and h.is_cuda and self.observer is None
+                and spec in ("bf16", "fp16") and w.kernel.dtype == _FLOAT_DTYPES[spec] and not self._mm_dtype_broken):
+            k = h.shape[-1]
+            try:
+                y = torch.mm(h.reshape(-1, k).to(w.kernel.dtype), w.kernel.t(), out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # no mm(out_dtype=) in this torch build
+                self._mm_dtype_broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            else:
+                self._count("lm_head", "native")
+                return y.reshape(*h.shape[:-1], w.shape[0])
+        self._count("lm_head", "fallback")
+        return super().lm_head(h, _dense(w))
+
     # ----------------------------------------------------------------- quant
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
         """`e4m3:1x128` through the Triton kernel (bit-exact); anything else emulated.
@@ -188,7 +285,7 @@ class NativeNumerics(Numerics):
         The fp32 output of the last fused producer (`rmsnorm` / `swiglu`) is not quantized again: the
         producer's own quantization of exactly those values is returned (same bits)."""
         spec = spec or self.recipe.spec(site, module)
-        fused, self._fused = self._fused, None
+        fused, self._fused, self._fused_fmt = self._fused, None, None
         native = spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
             self.recipe.scales and self.recipe.static_scale(site, module) is not None)
         if native and fused is not None and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape \
@@ -200,12 +297,23 @@ class NativeNumerics(Numerics):
             data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous())
             self._count("quant", "native")
             return _block_qtensor(x, data, scale)
+        if spec in _FLOAT_DTYPES and self.observer is None and x.is_cuda and not (
+                self.recipe.scales and self.recipe.static_scale(site, module) is not None):
+            # a float "format" is a cast; without an observer nobody reads the library's overflow / underflow
+            # counts (a dozen reductions per call), so the cast alone: the same data
+            self._count("quant", "native")
+            return QTensor(data=x.to(_FLOAT_DTYPES[spec]), scale=None, spec=parse_spec(spec), shape=x.shape,
+                           orig_dtype=x.dtype)
         self._count("quant", "fallback:" + spec)
         return super().quant(x, site, module, spec)
 
     # ---------------------------------------------------------------- weights
     def prepare_weight(self, w: torch.Tensor, site: str, module: str) -> torch.Tensor | NativeWeight:
         """Linear / MoE weights -> `NativeWeight` (quantized once, kernel-ready); others as emulated."""
+        if site == "lm_head" and w.is_cuda and self.recipe.spec(site, module) in ("bf16", "fp16") \
+                and self.observer is None:  # kept in its dtype for the head GEMM (`lm_head`)
+            spec = self.recipe.spec(site, module)
+            return NativeWeight(spec, w.shape, kernel=w.to(_FLOAT_DTYPES[spec]).contiguous())
         if site not in ("linear.weight", "moe.weight"):
             return super().prepare_weight(w, site, module)
         spec = self.recipe.spec(site, module)
@@ -246,8 +354,11 @@ class NativeNumerics(Numerics):
                                                  w.q.data, w.q.scale, out_dtype=out_dtype)
                 y = y if bias is None else y + bias.to(y.dtype)
             elif w.spec == "e4m3:128x128":
+                # a bf16 output comes back as its fp32 values (the model's carrier) without a cast kernel
+                rnd = "bf16" if out_dtype == torch.bfloat16 else None
                 y = g.fp8_block_linear(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                                       w.q.data, w.q.scale, bias=bias, out_dtype=out_dtype, small_m=self.small_m)
+                                       w.q.data, w.q.scale, bias=bias, small_m=self.small_m, out_round=rnd,
+                                       out_dtype=torch.float32 if rnd else out_dtype)
             elif w.spec == "e4m3:tensor":
                 y = g.fp8_tensor_linear(xq.data.reshape(-1, k), xq.scale, w.q.data, w.q.scale, bias=bias,
                                         out_dtype=out_dtype)
@@ -288,6 +399,58 @@ class NativeNumerics(Numerics):
             xd = xin.dequantize() if isinstance(xin, QTensor) else xin.float()
             return self._gemm(xd, w.dequantize(), bias, module)
         return super().linear(x, w, bias, module, input_site)
+
+    def linears(self, x: torch.Tensor | QTensor, ws: Sequence[torch.Tensor | NativeWeight],
+                biases: Sequence[torch.Tensor | None], modules: Sequence[str]) -> list[torch.Tensor]:
+        """q/k/v or gate/up as ONE FP8 block GEMM on their weights stacked along N (one launch, one weight
+        stream; each output column is computed from the same values, only the split-K summation order can
+        differ from separate calls). The stacked weight is built on first use and the per-module weights
+        become views into it (no second copy). Anything else: one `linear` per module."""
+        stack = self._stacked(x, ws, modules)
+        if stack is None:
+            return super().linears(x, ws, biases, modules)
+        merged, sizes = stack
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.float() if b is not None else torch.zeros(n, device=merged.device)
+                              for b, n in zip(biases, sizes)])
+        y = self._native_gemm(x, merged, bias, modules[0])
+        if y is None:
+            return super().linears(x, ws, biases, modules)
+        self.coverage["linear:native"] += len(ws) - 1
+        return list(y.split(list(sizes), dim=-1))
+
+    def _stacked(self, x, ws, modules) -> Optional[tuple[NativeWeight, tuple[int, ...]]]:
+        """The N-stacked e4m3:128x128 weight of `ws` for a merged GEMM, or None when the call does not qualify
+        (other formats, N not a multiple of 128, differing K / output formats, a local probe watching)."""
+        if (len(ws) < 2 or not isinstance(x, QTensor) or str(x.spec) != "e4m3:1x128" or self.local is not None
+                or self.legacy_blockwise or not all(isinstance(w, NativeWeight) and w.spec == "e4m3:128x128"
+                                                    and w.q is not None and w.shape[0] % 128 == 0 for w in ws)
+                or len({w.shape[1] for w in ws}) != 1
+                or len({self.recipe.spec("linear.output", m) for m in modules}) != 1):
+            return None
+        key = tuple(id(w) for w in ws)
+        hit = self._stacks.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[2], ws)):
+            return hit[0], hit[1]
+        q0 = ws[0].q
+        if _consecutive([w.q.data for w in ws]) and _consecutive([w.q.scale for w in ws]):
+            # already views of one stack (another Numerics sharing these weights stacked them): reuse it
+            data = q0.data.as_strided((sum(w.shape[0] for w in ws), q0.data.shape[1]), q0.data.stride())
+            scale = q0.scale.as_strided((data.shape[0] // 128, q0.scale.shape[1]), q0.scale.stride())
+        else:
+            data = torch.cat([w.q.data for w in ws])  # (sum N, K)
+            scale = torch.cat([w.q.scale for w in ws])  # (sum N / 128, K / 128)
+        merged = NativeWeight("e4m3:128x128", torch.Size((data.shape[0], data.shape[1])),
+                              q=dataclasses.replace(q0, data=data, scale=scale, shape=data.shape))
+        r = 0
+        for w in ws:  # the module weights become views of the stack: one copy of the bytes
+            n = w.shape[0]
+            w.q = dataclasses.replace(w.q, data=data[r:r + n], scale=scale[r // 128:(r + n) // 128])
+            r += n
+        sizes = tuple(w.shape[0] for w in ws)
+        self._stacks[key] = (merged, sizes, tuple(ws))
+        return merged, sizes
 
     def _gemm(self, xd: torch.Tensor, w: torch.Tensor | NativeWeight, bias: torch.Tensor | None,
               module: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from engine.config import MoeConfig
 from engine.formats import QTensor, parse_spec, quantize
 from engine.formats.accumulate import matmul_accum
 from engine.recipe import HIGH_PRECISION, Recipe
+from engine.rope import apply_rope
 from engine.routing import dispatch_plan, route
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,6 +124,36 @@ class Numerics:
         var = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(var + eps)
         return (weight.to(dtype) * h).float()
+
+    def residual_norm(self, x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float, resid: str,
+                      norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the RMSNorm after it: x' = residual-rounded (x + o), emitted as tap `resid`,
+        and rmsnorm(x') in module `norm`. Returns (x', normed). One dispatch point so a backend can fuse
+        the add, the residual rounding, the norm and the quantization that follows into one pass."""
+        x = self.round(x + o, "residual", resid)
+        self.emit(resid, x)
+        return x, self.rmsnorm(x, weight, eps, norm)
+
+    def linears(self, x: torch.Tensor | QTensor, ws: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                modules: Sequence[str]) -> list[torch.Tensor]:
+        """Several linears on the same input (q/k/v, gate/up): `linear` each; a backend may run them as one
+        GEMM on the weights stacked along N (same values; only the accumulation order can differ)."""
+        return [self.linear(x, w, b, m) for w, b, m in zip(ws, biases, modules)]
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE of q (batch, heads, t, d) and k (batch, kv_heads, t, d) (fp32 math)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def lm_head(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) fp32 of the final-norm output h: the head's input format (a float type, or the
+        linear input quantization), then an fp32 GEMM on the prepared head weight."""
+        spec = self.recipe.spec("lm_head", "lm_head")
+        if spec in _FLOAT_DTYPES:
+            h = self.round(h, "lm_head", "lm_head")  # high-precision head: input in the same float type
+        else:
+            h = self.quant(h, "linear.input", "lm_head").dequantize()
+        return F.linear(h, w)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
         """silu(gate) * up in fp32 (the SwiGLU half of SwiGLU+quant; `act_quant` follows)."""

@@ -69,10 +69,20 @@ class _PagedView:
     def __init__(self, rt: "PagedRuntime", seq_ids: torch.Tensor, start: torch.Tensor):
         self.rt, self.seq_ids, self.start = rt, seq_ids, start  # (batch,) int64 on the device
         self.length = 0  # the model's contiguous-cache counter; positions come from `start`
+        self._rows: dict[int, tuple] = {}  # t -> the kernels' int32 row tensors, built once per forward
 
     def positions(self, t: int) -> torch.Tensor:
         """(batch, t) absolute positions of this call's tokens."""
         return self.start[:, None] + torch.arange(t, device=self.start.device)
+
+    def _kernel_rows(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seq_ids, seq_lens = start + t, q positions (batch, t)) as int32, shared by every layer's attention
+        call of this forward (each layer used to rebuild them: 5 small launches per layer)."""
+        if t not in self._rows:
+            q_pos = self.positions(t)
+            self._rows[t] = (self.seq_ids.to(torch.int32).contiguous(), (self.start + t).to(torch.int32).contiguous(),
+                             q_pos.to(torch.int32).contiguous())
+        return self._rows[t]
 
     def attend(self, nx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                window: Optional[int]) -> torch.Tensor:
@@ -85,15 +95,24 @@ class _PagedView:
         # fixed, multi-token calls on FP8 pages write through the library quantizer and attend emulated.
         long_fp8 = rt.kv.fp8 and t > FP8_PAGED_MAX_TQ and rt.device.type == "cuda"
         rt.kv.write(layer, self.seq_ids, self.start, k, v, quantizer="library" if long_fp8 else None)
-        q_pos = self.positions(t)
         if rt.native_attention and not long_fp8:
             from engine.kernels.paged_kv import paged_decode_attention
 
-            qr = nx.round(q, "attn.q", module)
-            out = paged_decode_attention(qr, rt.kv, layer, seq_lens=self.start + t, seq_ids=self.seq_ids,
-                                         q_pos=q_pos, sliding_window=window, block_n=rt.attn_block,
-                                         num_splits=rt.num_splits)
+            # bf16 queries travel as bf16 (the same values as the fp32-carried rounding, half the bytes); an
+            # attention output stored in bf16 and quantized E4M3 1x128 for o_proj comes out of the kernel
+            # already rounded and quantized, and o_proj takes that quantization (`NativeNumerics.fused_attn_out`)
+            q_in = nx.query_carrier(q, module) if hasattr(nx, "query_carrier") else nx.round(q, "attn.q", module)
+            fused = hasattr(nx, "fused_attn_out") and nx.fused_attn_out(module + ".o_proj")
+            ids32, lens32, qpos32 = self._kernel_rows(t)
+            out = paged_decode_attention(q_in, rt.kv, layer, seq_lens=lens32, seq_ids=ids32,
+                                         q_pos=qpos32, sliding_window=window, block_n=rt.attn_block,
+                                         num_splits=rt.num_splits, out_quant="e4m3:1x128" if fused else None,
+                                         out_round="bf16" if fused else None, return_hp=fused)
+            if fused:
+                data, scale, hp = out
+                return nx.remember_rounded(hp, data, scale, "bf16")
             return out.float()
+        q_pos = self.positions(t)
         outs = []  # emulated backends: gather each sequence's pages and run the emulated attention
         for b in range(q.shape[0]):
             n = int(self.start[b]) + t

@@ -394,6 +394,28 @@ def test_paged_decode_splits_and_fp8_output():
     assert _rel_err(short, one) > DISCRIM
 
 
+@pytest.mark.parametrize("dv", [128, 192])
+def test_paged_decode_bf16_rounded_fp8_output(dv):
+    """out_round='bf16' (an attention output stored in bf16, quantized for o_proj): the returned fp32 values are
+    exactly the plain fp32 output rounded to bf16, and the FP8 data / scales are the library's quantization of
+    those values -- in the epilogue (dv = 128) and in the second pass (dv = 192) alike."""
+    from engine.formats import quantize
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+
+    cache = PagedKVCache(1, 64, 64, 2, 128, head_dim_v=dv, max_seqs=2, device=DEV)
+    _fill(cache, 0, [300, 900], chunk=256, seed=60)
+    q = _rand(2, 8, 1, 128, seed=61)
+    plain = paged_decode_attention(q, cache, 0, num_splits=4, num_stages=2)
+    data, scales, hp = paged_decode_attention(q, cache, 0, num_splits=4, num_stages=2, out_quant="e4m3:1x128",
+                                              out_round="bf16", return_hp=True)
+    assert hp.dtype == torch.float32 and torch.equal(hp, plain.to(torch.bfloat16).float())
+    assert not torch.equal(hp, plain)  # the rounding happened (random fp32 outputs are not all bf16 values)
+    rq = quantize(hp, "e4m3:1x128")
+    assert _bits_equal(data, rq.data) and _scales_equal(scales, rq.scale)
+    with pytest.raises(ValueError, match="out_round"):
+        paged_decode_attention(q, cache, 0, out_round="bf16")  # rounding without quantization: use out_dtype
+
+
 def test_paged_decode_nan_in_v_propagates():
     """A NaN written into V of one sequence (its 128-group scale becomes NaN) poisons that sequence's
     output and nobody else's."""

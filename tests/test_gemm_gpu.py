@@ -142,6 +142,31 @@ def test_split_k_is_deterministic_and_consistent(G):
     assert not torch.equal(one, torch.zeros_like(one))
 
 
+@pytest.mark.parametrize("m", [1, 4, 16, 40])
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
+    """out_round='bf16' (a bf16 output kept in the engine's fp32 carrier) gives bit for bit the bf16 output widened
+    to fp32, with and without bias, on the split-K Triton path (fused and separate reduce) and on cuBLAS (m = 40
+    with small_m = 16); the fused reduce equals the separate one."""
+    xd, xs, wd, ws = _block_operands(m, 768, 4096, seed=21)
+    bias = torch.randn(768, device="cuda")
+    for b in (None, bias):
+        if m <= 16:
+            want = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
+                                           fused_reduce=fused).float()
+            got = G._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), b,
+                                torch.float32, 4, fused_reduce=fused, round_bf16=True)
+            assert torch.equal(got, want)
+            other = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
+                                            fused_reduce=not fused).float()
+            assert torch.equal(other, want)
+        want = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, small_m=16).float()
+        got = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.float32, small_m=16, out_round="bf16")
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="out_round"):
+        G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, out_round="bf16")
+
+
 def test_triton_large_m_fallback(G):
     """The Triton kernel with large tiles (used when cuBLAS refuses) is accurate too."""
     xd, xs, wd, ws = _block_operands(200, 264, 1152, seed=13)
@@ -164,12 +189,18 @@ def test_cublas_blockwise_path_runs_on_sm90(G):
 
 @pytest.mark.parametrize("k", [640, 896, 1152])
 def test_k_over_128_mod_4_trap(G, k):
-    """The old `_scaled_mm` with unpadded block scales is silently wrong at K/128 % 4 != 0; ours is not."""
+    """The old `_scaled_mm` with unpadded block scales is silently wrong at K/128 % 4 != 0; ours is not.
+
+    How wrong depends on which scales the old call reads in place of the right ones (part of them lie past the
+    tensor, so the allocator's state matters): H200 runs saw relative errors from 0.098 to 0.53. The bar is
+    relative to the padded call's own error: at least 20x it, and above the bf16 tolerance."""
     m, n = 64, 256
     xd, xs, wd, ws = _block_operands(m, n, k, seed=k)
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    good_err = 0.0
     for small_m in (64, 0):  # Triton decode kernel, then cuBLAS with padded scales
         good = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, small_m=small_m)
+        good_err = max(good_err, _rel(good, ref))
         assert _rel(good, ref) <= TOL[torch.bfloat16], f"fp8_block_linear(small_m={small_m}) wrong at K={k}"
     try:
         bad = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
@@ -177,7 +208,8 @@ def test_k_over_128_mod_4_trap(G, k):
     except (RuntimeError, NotImplementedError, ValueError) as exc:
         pytest.skip(f"this torch rejects the legacy blockwise _scaled_mm call: {str(exc).splitlines()[0]}")
     err = _rel(bad, ref)
-    assert err > 0.1, f"legacy _scaled_mm at K={k} gave rel err {err:.3e}: the trap did not reproduce"
+    assert err > max(TOL[torch.bfloat16], 20 * good_err), \
+        f"legacy _scaled_mm at K={k} gave rel err {err:.3e} (padded call {good_err:.1e}): the trap did not reproduce"
 
 
 def test_legacy_call_is_right_when_k_over_128_is_a_multiple_of_4(G):

@@ -76,6 +76,39 @@ def test_rmsnorm_quant(kind, shape, single_pass):
     assert same > 0.999, same  # end to end vs torch: only last-ulp norm differences can flip a rounding
 
 
+@pytest.mark.parametrize("round_bf16", [True, False])
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 1000), (5, 7168), (64, 4096)])
+def test_add_rmsnorm_quant(shape, round_bf16):
+    """Residual add + RMSNorm + quant in one pass: the residual is bit-exact with torch's fp32 add (+ bf16 RNE,
+    including the overflow to inf and NaN), the norm and its quantization are exactly `rmsnorm_quant` of that
+    residual (same tiling)."""
+    from engine.kernels.quant import add_rmsnorm_quant, add_rmsnorm_quant_reference, rmsnorm_quant
+
+    x = _inputs(*shape, "heavy")
+    o = _inputs(*shape, "normal") * 3
+    x[-1, :3] = torch.tensor([3.3e38, -3.39e38, 1.0 + 2 ** -8], device="cuda")  # bf16 overflow, a tie
+    o[-1, :3] = torch.tensor([9e36, -1e36, 0.0], device="cuda")
+    w = (0.5 + torch.rand(shape[1], device="cuda")).contiguous()
+    r, d, s, h = add_rmsnorm_quant(x, o, w, 1e-5, round_bf16=round_bf16)
+    rr, _, _, _ = add_rmsnorm_quant_reference(x, o, w, 1e-5, round_bf16=round_bf16)
+    assert torch.equal(r.view(torch.int32), rr.view(torch.int32))
+    d2, s2, h2 = rmsnorm_quant(r, w, 1e-5, return_hp=True)
+    assert torch.equal(h2.view(torch.int32), h.view(torch.int32))
+    assert torch.equal(_bits(d), _bits(d2)) and torch.equal(s.view(torch.int32), s2.view(torch.int32))
+
+
+@pytest.mark.parametrize("k", [4096, 7168])
+def test_rmsnorm_quant_row_bits_do_not_depend_on_the_row_count(k):
+    """The default tiling is a function of K only: a decode step's one row gets the bits it gets in a batch."""
+    from engine.kernels.quant import rmsnorm_quant
+
+    x = _inputs(64, k, "heavy").to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(k, device="cuda")).contiguous()
+    _, s1, h1 = rmsnorm_quant(x[5:6].contiguous(), w, 1e-5, return_hp=True)
+    _, s64, h64 = rmsnorm_quant(x, w, 1e-5, return_hp=True)
+    assert torch.equal(h1, h64[5:6]) and torch.equal(s1, s64[5:6])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_swiglu_quant(shape):
     """Fused SwiGLU+quant: bit-exact quantization of its own activation, activation close to torch's."""

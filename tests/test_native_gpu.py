@@ -105,3 +105,35 @@ def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel():
     assert broken["attribution"] == 1.0 and broken["kernel.kld_mean"] > 10 * broken["format.kld_mean"]
     assert s["first_kernel_tap"] == ["layers.0.attn.q"]
     assert good["attribution"] == 0.0 and s_good["first_kernel_tap"] == []
+
+
+def test_fused_dispatch_points_run_native_and_keep_their_values(model):
+    """fp8-block on cuda-native: residual add + norm, RoPE and the bf16 head ran as their fused kernels (coverage),
+    and q/k/v (gate/up) ran as one GEMM on weights stacked in place -- its outputs match the per-module GEMMs up to
+    the accumulation order (bf16 output rounding), and the module weights are views of the stack."""
+    from engine.api import Engine
+
+    name, m, x = model
+    eng = Engine(m, "fp8-block", backend="cuda-native")
+    eng.logits(x)
+    cov = eng.nx.coverage_summary()
+    assert cov.get("residual_norm.native_frac") == 1.0 and cov.get("lm_head.native_frac") == 1.0, cov
+    if m.cfg.mla is None:
+        assert cov.get("rope.native_frac") == 1.0, cov
+    nx, w = eng.nx, eng.weights
+    names = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if m.cfg.mla is None
+             else ["mlp.gate_proj", "mlp.up_proj"])
+    layer = 0 if m.cfg.mla is None else next(i for i in range(m.cfg.num_layers) if not m.cfg.is_moe(i))
+    ws = [w[f"model.layers.{layer}.{n}.weight"] for n in names]
+    mods = [f"layers.{layer}.{n.replace('self_attn', 'attn')}" for n in names]
+    h = torch.randn(3, 5, m.cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    for rows in (h[:1, :1], h):  # decode (Triton split-K) and prefill-sized calls
+        hq = nx.quant(rows, "linear.input", mods[0])
+        merged = nx.linears(hq, ws, [None] * len(ws), mods)
+        for got, wt, mod in zip(merged, ws, mods):
+            ref = nx.linear(hq, wt, None, mod)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert got.shape == ref.shape and rel < 4e-3, (mod, rel)
+    ptrs = {wt.q.data.untyped_storage().data_ptr() for wt in ws}
+    stackable = all(wt.shape[0] % 128 == 0 for wt in ws)  # whole 128-row scale blocks (tiny-llama's k/v: 64 rows)
+    assert (len(ptrs) == 1) == stackable, (name, [tuple(wt.shape) for wt in ws], len(ptrs))

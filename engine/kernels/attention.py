@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quant import _round_bf16
+
 LOG2E = 1.4426950408889634
 OUT_QUANT_SPECS = ("e4m3:1x128",)
 _NEG_INF = float("-inf")
@@ -93,8 +95,9 @@ def _store_output(o, rows, row_valid, col0, out_ptr, hp_ptr, osc_ptr, ROW_LEN, D
                   DV_P: tl.constexpr, OUT_MODE: tl.constexpr, STORE_HP: tl.constexpr):
     """Store o (R, DV_P) fp32 at out[row, col0:col0+DV] of a (rows, ROW_LEN) output.
 
-    OUT_MODE 0: fp32, 1: bf16, 2: E4M3 1x128 groups (needs DV % 128 == 0 and col0 % 128 == 0);
-    STORE_HP additionally writes the fp32 values to hp_ptr (same layout)."""
+    OUT_MODE 0: fp32, 1: bf16, 2: E4M3 1x128 groups (needs DV % 128 == 0 and col0 % 128 == 0), 3: o rounded
+    to bf16 first (an attention output stored in bf16, then quantized for the next GEMM), then as 2;
+    STORE_HP additionally writes the fp32 values (3: the bf16-rounded ones) to hp_ptr (same layout)."""
     cols = tl.arange(0, DV_P)
     off = rows.to(tl.int64)[:, None] * ROW_LEN + col0 + cols[None, :]  # (R, DV_P)
     mask = row_valid[:, None] & (cols[None, :] < DV)
@@ -103,6 +106,8 @@ def _store_output(o, rows, row_valid, col0, out_ptr, hp_ptr, osc_ptr, ROW_LEN, D
     elif OUT_MODE == 1:
         tl.store(out_ptr + off, o.to(tl.bfloat16), mask=mask)
     else:
+        if OUT_MODE == 3:
+            o = _round_bf16(o)
         G: tl.constexpr = DV // 128  # 1x128 groups per head
         R: tl.constexpr = o.shape[0]
         gi = tl.arange(0, G)
@@ -322,9 +327,12 @@ def _key_bounds(q_pos: torch.Tensor, k_pos: torch.Tensor, block_m: int, block_n:
     return torch.where(is_sorted, bounds, fallback).to(torch.int32).contiguous()
 
 
-def _out_buffers(b: int, tq: int, h: int, dv: int, device, out_dtype, out_quant, return_hp):
-    """(out, hp, scales, OUT_MODE, STORE_HP, second_pass) for the output modes documented in the module."""
+def _out_buffers(b: int, tq: int, h: int, dv: int, device, out_dtype, out_quant, return_hp, out_round=None):
+    """(out, hp, scales, OUT_MODE, STORE_HP, second_pass) for the output modes documented in the module;
+    out_round="bf16" (with out_quant) rounds the output to bf16 before quantizing it."""
     n = h * dv
+    if out_round not in (None, "bf16") or (out_round is not None and out_quant is None):
+        raise ValueError(f"out_round {out_round!r}: use None, or 'bf16' together with out_quant")
     if out_quant is None:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"out_dtype {out_dtype}: use torch.float32 or torch.bfloat16 (or out_quant='e4m3:1x128')")
@@ -336,7 +344,10 @@ def _out_buffers(b: int, tq: int, h: int, dv: int, device, out_dtype, out_quant,
         out = torch.empty((b, tq, n), device=device, dtype=torch.float8_e4m3fn)
         scales = torch.empty((b, tq, n // 128), device=device, dtype=torch.float32)
         hp = torch.empty((b, tq, n), device=device, dtype=torch.float32) if return_hp else out
-        return out, hp, scales, 2, return_hp, False
+        return out, hp, scales, 2 if out_round is None else 3, return_hp, False
+    if out_round is not None:  # the fp32 pass writes bf16 values (exact in fp32), the second pass quantizes them
+        hp = torch.empty((b, tq, n), device=device, dtype=torch.bfloat16)
+        return hp, hp, hp, 1, False, True
     hp = torch.empty((b, tq, n), device=device, dtype=torch.float32)
     return hp, hp, hp, 0, False, True
 
@@ -348,6 +359,7 @@ def _finish(out, hp, scales, out_quant, return_hp, second_pass):
     if second_pass:
         from engine.kernels.quant import act_quant
 
+        hp = hp.float()  # a bf16 (out_round) first pass: its values, exactly
         data, scales = act_quant(hp)
     else:
         data = out

@@ -65,6 +65,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.quant import _round_bf16
+
 GROUP = 128  # edge of the 1x128 / 128x128 scale blocks
 MX_CHUNK = 128  # K columns per MX kernel step; prepared MX weights are padded to a multiple of it
 FP8 = torch.float8_e4m3fn
@@ -77,7 +79,7 @@ _SCALING = getattr(F, "ScalingType", None)
 # ============================================================================ kernels
 @triton.jit
 def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
-              USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr):
+              USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, ROUND_BF16: tl.constexpr = False):
     """Store acc (BN, BM) = a tile of out^T: raw fp32 partial sums to part[pid_s] (split-K), or
     acc * tensor_scale + bias in fp32, cast to out's dtype, into out (M, N)."""
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
@@ -89,6 +91,8 @@ def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_
             acc = acc * tl.load(ts_ptr)
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        if ROUND_BF16:  # a bf16 output held in an fp32 buffer (the engine's fp32 carrier): no cast kernel after
+            acc = _round_bf16(acc)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,7 +104,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                            M, N, K, groups_per_split, n_splits,
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
@@ -138,7 +142,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
     _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
-              USE_PART, HAS_BIAS and not FUSED_REDUCE, False)
+              USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
     if USE_PART and FUSED_REDUCE:
         tile = pid_m * tl.num_programs(0) + pid_n
         tl.debug_barrier()  # every thread's partial store happens before the release below
@@ -151,6 +155,8 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                 tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            if ROUND_BF16:
+                tot = _round_bf16(tot)
             tl.store(out_ptr + idx, tot.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
 
@@ -239,7 +245,8 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
-                          HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK: tl.constexpr,
+                          ROUND_BF16: tl.constexpr = False):
     """out = (sum over s = 0..S-1, in that order, of part[s]) * tensor_scale + bias, cast to out's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
@@ -250,6 +257,8 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
         acc = acc * tl.load(ts_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -261,6 +270,9 @@ def _bench_quick(fn, quantiles):
 # Decode (M <= 64) tiles on weights of >= TUNE_MIN_WEIGHT elements: only the pipeline depth is
 # tuned (it does not change the summation order); smaller weights use the fixed _tiles config.
 TUNE_MIN_WEIGHT = 1 << 24
+# Split-K partials summed by the last split of each tile (same bits as the reduce kernel, one launch
+# fewer per GEMM: a decode step has ~6 per layer) unless a call or a DECODE_CONFIGS entry says otherwise.
+FUSED_REDUCE_DEFAULT = True
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
@@ -324,13 +336,13 @@ def _plan_split(m: int, n: int, steps: int, bm: int, bn: int, device: torch.devi
 
 
 def _reduce(part: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
-            ts: Optional[torch.Tensor]) -> None:
-    """Sum the split-K partials part (S, M, N) into out (M, N) (+ tensor scale, + bias)."""
+            ts: Optional[torch.Tensor], round_bf16: bool = False) -> None:
+    """Sum the split-K partials part (S, M, N) into out (M, N) (+ tensor scale, + bias; rounded to bf16 values)."""
     s, m, n = part.shape
     block = 1024
     _splitk_reduce_kernel[(_cdiv(m * n, block),)](
         part, out, bias if bias is not None else out, ts if ts is not None else part, m * n, n, s,
-        HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, num_warps=4)
+        HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, ROUND_BF16=round_bf16, num_warps=4)
 
 
 def _bad(msg: str) -> ValueError:
@@ -396,11 +408,12 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                fused_reduce: Optional[bool] = None) -> torch.Tensor:
+                fused_reduce: Optional[bool] = None, round_bf16: bool = False) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
-    `_tiles` (BN, warps, stages; stages autotuned on big decode weights), `_split_k`, no fused reduce."""
+    `_tiles` (BN, warps, stages; stages autotuned on big decode weights), `_split_k`, the fused reduce on
+    CUDA (`FUSED_REDUCE_DEFAULT`)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -416,22 +429,23 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if bn not in (16, 32, 64, 128):
         raise _bad(f"block_n={bn}: use 16, 32, 64 or 128 (it must divide the 128-wide weight-scale blocks)")
     splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
-    fused = bool(cfg.get("fused_reduce")) and splits > 1
+    fr = cfg.get("fused_reduce")
+    fused = (FUSED_REDUCE_DEFAULT and x.is_cuda if fr is None else bool(fr)) and splits > 1
     part = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
     cnt = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
     args = (x, xs, w, ws, out, part, bias if bias is not None else out, cnt, m, n, k, per, splits,
             x.stride(0), w.stride(0), *xs_strides, *ws_strides)
     meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and (splits == 1 or fused),
-                FUSED_REDUCE=fused)
+                FUSED_REDUCE=fused, ROUND_BF16=round_bf16)
     explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
-    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit and not fused:
+    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit:
         _fp8_block_gemm_tuned[grid](*args, **meta)
     else:
         _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
                                      num_stages=cfg.get("num_stages") or stages)
     if splits > 1 and not fused:
-        _reduce(part, out, bias, None)
+        _reduce(part, out, bias, None, round_bf16)
     return out
 
 
@@ -533,7 +547,7 @@ def scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: tor
 
 def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                     small_m: int = 64) -> torch.Tensor:
+                     small_m: int = 64, out_round: Optional[str] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for e4m3:1x128 activations and e4m3:128x128 weights.
 
     Args:
@@ -541,6 +555,8 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
         w_data: (N, K) float8_e4m3fn; w_scale: (ceil(N/128), ceil(K/128)) fp32.
         bias: (N,) or None, added in fp32 (Triton) or to the rounded output (cuBLAS).
         out_dtype: bf16 / fp16 / fp32.
+        out_round: "bf16" with out_dtype fp32: the output rounded to bf16 values, returned in fp32 (the
+            Triton kernel rounds in its epilogue; cuBLAS writes bf16, widened after).
         small_m: M <= small_m runs the Triton decode kernel (cuBLAS FP8 is no faster than bf16
             there); larger M runs cuBLAS blockwise (:func:`scaled_mm_blockwise`), or the Triton
             kernel with large tiles when cuBLAS is missing / refuses (with a warning).
@@ -550,15 +566,20 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
+    if out_round not in (None, "bf16") or (out_round is not None and out_dtype != torch.float32):
+        raise _bad(f"out_round {out_round!r}: use None, or 'bf16' with out_dtype=torch.float32")
     if x.shape[0] > small_m and has_scaled_mm() and x.is_cuda:
         try:
+            if out_round is not None:
+                y = scaled_mm_blockwise(x, xs, w, ws, bias, torch.bfloat16).float()
+                return y.reshape(*lead, w.shape[0])
             return scaled_mm_blockwise(x, xs, w, ws, bias, out_dtype).reshape(*lead, w.shape[0])
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
             warnings.warn(f"fp8_block_linear: cuBLAS blockwise scaled_mm refused (M, K, N) = "
                           f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
                           "using the Triton blockwise GEMM", RuntimeWarning, stacklevel=2)
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, None)
+                      bias, out_dtype, None, round_bf16=out_round is not None)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -187,10 +187,10 @@ class PagedKVCache:
         if (quantizer or self.quantizer) == "triton":
             from engine.kernels.paged_kv import kv_write
 
-            kv_write(self, layer, sid, st, k, v)
+            kv_write(self, layer, sid, st, k, v, update_lens=True)  # seq_lens raised in the same launch
         else:
             self._write_library(layer, sid, st, k, v)
-        self.seq_lens[sid] = torch.maximum(self.seq_lens[sid], (st + t).to(torch.int32))
+            self.seq_lens[sid] = torch.maximum(self.seq_lens[sid], (st + t).to(torch.int32))
 
     def _write_library(self, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Quantize with engine.formats.quantize (the emulation's own calls) and scatter with torch indexing."""

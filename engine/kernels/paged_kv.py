@@ -176,17 +176,22 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
                      sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
                      PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
                      GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
-                     K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr):
+                     K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False):
     """Grid (batch, token blocks, kv_heads): quantize BT tokens of one (row, kv_head) and scatter them to
     their pages. K: the head's scale from kamax (e4m3:head) or one scale per token (e4m3:token); V: one
     scale per 128-group (GW-wide groups, NG per padded row, VG real ones), or with V_TOKEN one scale per
-    token written to all VG group slots. Non-FP8 caches store the cast values."""
+    token written to all VG group slots. Non-FP8 caches store the cast values. UPDATE_LEN: program (b, 0, 0)
+    raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree)."""
     b = tl.program_id(0)
     h = tl.program_id(2)
     tok = tl.program_id(1) * BT + tl.arange(0, BT)
     tmask = tok < T
     seq = tl.load(seq_ptr + b)
-    pos = tl.load(start_ptr + b) + tok  # int64
+    start = tl.load(start_ptr + b)
+    if UPDATE_LEN:
+        if (h == 0) & (tl.program_id(1) == 0):
+            tl.atomic_max(slen_ptr + seq, (start + T).to(tl.int32))
+    pos = start + tok  # int64
     blk = pos // PAGE
     page = tl.load(bt_ptr + seq * s_bt + tl.minimum(blk, MAX_BLOCKS - 1), mask=tmask, other=TRASH)
     page = tl.where(blk < MAX_BLOCKS, page, TRASH).to(tl.int64)  # beyond the table: the trash page
@@ -226,11 +231,12 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
 
 # ----------------------------------------------------------------- wrappers
 def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+             v: torch.Tensor, update_lens: bool = False) -> None:
     """Quantize k (batch, kv_heads, t, d) / v (batch, kv_heads, t, dv) and scatter them into the pages of
     sequences sid (batch,) at positions st[b] + j (device int tensors). The per-head K amax over the call
-    (e4m3:head) is one torch reduction first (NaN-propagating, like the library's). Reference: the cache's
-    "library" write path (`PagedKVCache(quantizer="library")`)."""
+    (e4m3:head) is one torch reduction first (NaN-propagating, like the library's). `update_lens`: also raise
+    cache.seq_lens[sid] to st + t in the same launch. Reference: the cache's "library" write path
+    (`PagedKVCache(quantizer="library")`)."""
     b, h, t, _ = k.shape
     per_head = cache.fp8 and cache.k_spec == "e4m3:head"
     kamax = k.abs().float().amax(dim=(0, 2, 3)).contiguous() if per_head else cache.seq_lens  # (kv_heads,)
@@ -247,7 +253,7 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
         *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
-        V_TOKEN=cache.v_spec == "e4m3:token", num_warps=4)
+        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, num_warps=4)
 
 
 def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
@@ -279,7 +285,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                            out_dtype: torch.dtype = torch.float32, out_quant: Optional[str] = None,
                            return_hp: bool = False, num_warps: int = 4, num_stages: int = 5,
                            qk_fp16: Optional[bool] = None, fold_v_scale: Optional[bool] = None,
-                           maxnreg: Optional[int] = None):
+                           maxnreg: Optional[int] = None, out_round: Optional[str] = None):
     """Decode attention over the paged cache (split-K). Reference: `paged_decode_attention_reference`.
 
     q: (batch, heads, tq, head_dim) fp32 / bf16 / fp16 / float8_e4m3fn (with q_scale: per tensor,
@@ -295,11 +301,15 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     cache with one V scale per token, head_dim_v <= 128), both ignored where they do not apply.
 
     Returns (batch, tq, heads*head_dim_v) like `flash_attention` (fp32 / bf16, or with
-    out_quant="e4m3:1x128" (data, scales[, fp32 output])).
+    out_quant="e4m3:1x128" (data, scales[, fp32 output]); out_round="bf16" with out_quant rounds the
+    output to bf16 before quantizing it, and the fp32 output returned holds those bf16 values).
     """
     _check_dtype(q, "q")
     if q.dim() != 4:
         raise ValueError(f"q must be (batch, heads, tq, head_dim), got shape {tuple(q.shape)}")
+    if out_round is not None and (out_round != "bf16" or out_quant is None):
+        raise ValueError(f"out_round {out_round!r}: use None, or 'bf16' together with out_quant (a plain bf16 "
+                         "output is out_dtype=torch.bfloat16)")
     b, h, tq, dq = q.shape
     hkv, dv = cache.kv_heads, cache.head_dim_v
     if dq != cache.head_dim or h % hkv:
@@ -344,7 +354,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                   num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
             f"paged_decode_attention(block_n={block_n})")
-    out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp)
+    out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp, out_round)
     _launch(_decode_reduce_kernel, (b * h * tq,),
             (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
             dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode, STORE_HP=store_hp,

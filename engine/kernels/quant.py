@@ -99,26 +99,65 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexp
 
 
 @triton.jit
-def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, eps,
+def _round_bf16(x):
+    """x fp32 rounded to the nearest bf16 (ties to even), as fp32: torch's `.to(bfloat16).float()`, done on the
+    bits (add 0x7FFF + the kept lsb, clear the low half) so the interpreter and the GPU round alike. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_f32(ptrs, mask, EVICT: tl.constexpr):
+    """Masked load as fp32 (0 outside); EVICT 1: keep in cache (evict_last), 2: stream (evict_first), 0: default."""
+    if EVICT == 1:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    elif EVICT == 2:
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES: tl.constexpr, RES_BF16: tl.constexpr,
+                 STORE_RES: tl.constexpr, EVICT: tl.constexpr):
+    """x (R, 128) fp32 at off; with HAS_RES the residual add x + res in fp32, rounded to bf16 (RNE) with
+    RES_BF16 -- torch's `(x + o).to(bfloat16).float()` -- and stored to rout_ptr with STORE_RES."""
+    x = _load_f32(x_ptr + off, mask, EVICT)
+    if HAS_RES:
+        x = x + _load_f32(res_ptr + off, mask, EVICT)
+        if RES_BF16:
+            x = _round_bf16(x)
+        if STORE_RES:
+            tl.store(rout_ptr + off, x, mask=mask)
+    return x
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
                           BM: tl.constexpr, GB: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
-                          STORE_HP: tl.constexpr):
+                          STORE_HP: tl.constexpr, HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False):
     """Grid (row blocks,): BM rows per program, walked in (BM*GB, 128) tiles (GB groups of each row).
 
     ONE_PASS (GB*128 >= K): the whole rows stay in registers (x read once). Otherwise pass 1 sums x^2
     chunk by chunk and pass 2 re-reads the chunks this program has just read (L1 / L2 hits: HBM still
     sees x once) to compute h = w * (x * 1/sqrt(mean(x^2) + eps)) in fp32 and quantize each 1x128
     group. STAGES > 1 software-pipelines both chunk loops (loads of later chunks in flight through
-    shared memory; Triton pipelines a loop without tl.dot only when tl.range asks for it)."""
+    shared memory; Triton pipelines a loop without tl.dot only when tl.range asks for it).
+
+    HAS_RES: the normed rows are x + res (residual add, rounded to bf16 with RES_BF16), also written to
+    rout_ptr (fp32): the residual stream update and the norm that reads it in one pass."""
     row, sub = _tile_rows(tl.program_id(0), 0, BM, GB)
     if ONE_PASS:
         off, mask, _ = _group_offsets(row, sub, M, K)
-        x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        x = _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES, RES_BF16, True, 0)
         ss = tl.sum(x * x, axis=1)
     else:
         ss = tl.zeros((BM * GB,), tl.float32)
         for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
             off, mask, _ = _group_offsets(row, g0 + sub, M, K)
-            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            xc = _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES, RES_BF16, False, 1)
             ss += tl.sum(xc * xc, axis=1)
     if BM == 1:
         rstd = _rstd(tl.zeros((GB,), tl.float32) + tl.sum(ss, axis=0), K, eps)
@@ -130,7 +169,7 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_grou
     else:
         for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
             off, mask, _ = _group_offsets(row, g0 + sub, M, K)
-            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            xc = _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES, RES_BF16, True, 2)
             _norm_quant_store(xc, rstd, row, g0 + sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
                               STORE_HP)
 
@@ -211,6 +250,7 @@ SWIGLU_DEFAULTS = dict(bm=16, gb=1, num_warps=4, fast_silu=True)
 # RMSNorm: "chunked" = _rmsnorm_quant_kernel (bm rows, gb groups per step, two passes unless gb*128 >= K),
 # "persistent" = _rmsnorm_quant_persistent_kernel (programs_per_sm programs per SM, one pass, pipelined).
 RMSNORM_DEFAULTS = dict(mode="chunked", bm=1, gb=8, num_warps=4, num_stages=2, programs_per_sm=2)
+SMALL_ROW_GROUPS = 32  # rows of <= 32 groups (K <= 4096) default to the one-pass whole-row tile (see rmsnorm_quant)
 ROW_KERNEL_MAX_GROUPS = 128  # one-pass kernels hold at most 128 groups (16384 columns) per row in registers
 
 
@@ -251,7 +291,10 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
                   programs_per_sm: int | None = None):
     """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]).
 
-    Kernels (knob None -> `RMSNORM_DEFAULTS`):
+    Kernels (knob None -> `RMSNORM_DEFAULTS`, except rows of at most `SMALL_ROW_GROUPS` groups, which
+    default to the one-pass whole-row tile: one memory round trip instead of a serial chunk loop, which
+    is what a decode step's single row waits on; the choice depends on K only, so a row's bits never
+    depend on how many rows share the call):
 
     * mode="chunked": `bm` rows per program in steps of `gb` groups; one pass when gb*128 >= K, else
       two passes whose second read hits L1/L2; `num_stages` pipelines the chunk loops.
@@ -262,10 +305,51 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
     `single_pass=False` the chunked two-pass kernel with the given / default tiling.
     """
     rows, k, groups = _launch_shape(x)
+    _check_norm_weight(x, weight, k)
+    out, scales, hp = _outputs(x, rows, k, groups, return_hp)
+    _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, None, None, rows, k, groups, eps, return_hp, False,
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm)
+    return (out, scales, hp) if return_hp else (out, scales)
+
+
+def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
+                      round_bf16: bool = True, **tiling):
+    """Residual add + RMSNorm + E4M3 1x128 quant in one pass: r = x + res (fp32 add, rounded to bf16 and
+    held in fp32 with `round_bf16`), then the fused RMSNorm -> quant of r.
+
+    x, res: (..., K) contiguous fp32 / bf16, same shape. Returns (r fp32 (..., K), data, scales, normed fp32
+    (..., K)); the norm's bits are `rmsnorm_quant(r, weight, eps, return_hp=True)`'s with the same tiling
+    (`tiling`: its keyword knobs; no persistent mode). Reference: `add_rmsnorm_quant_reference`."""
+    rows, k, groups = _launch_shape(x)
+    if res.shape != x.shape or not res.is_contiguous() or res.device != x.device:
+        raise ValueError(f"add_rmsnorm_quant: res must be a contiguous tensor of x's shape {tuple(x.shape)} on "
+                         f"{x.device}, got {tuple(res.shape)} on {res.device}")
+    _check_norm_weight(x, weight, k)
+    if tiling.get("mode") == "persistent":
+        raise ValueError("add_rmsnorm_quant: the persistent kernel has no residual input; use mode='chunked'")
+    out, scales, hp = _outputs(x, rows, k, groups, True)
+    r = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, res, r, rows, k, groups, eps, True, round_bf16,
+                    tiling.get("single_pass"), tiling.get("mode"), tiling.get("bm"), tiling.get("gb"),
+                    tiling.get("num_warps"), tiling.get("num_stages"), None)
+    return r, out, scales, hp
+
+
+def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    """The norm weight is (K,) on x's device."""
     if weight.shape != (k,) or weight.device != x.device:
         raise ValueError(f"weight must be ({k},) on {x.device} for x {tuple(x.shape)}, got "
                          f"{tuple(weight.shape)} on {weight.device}")
+
+
+def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, return_hp, round_bf16,
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm) -> None:
+    """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual."""
     d = RMSNORM_DEFAULTS
+    small = (groups <= SMALL_ROW_GROUPS and single_pass is None and mode is None and bm is None and gb is None)
+    if small:  # 8 warps: the single row's loads, reduction and stores spread over more threads (latency-bound)
+        mode, bm, gb = "chunked", 1, triton.next_power_of_2(groups)
+        num_warps = num_warps or 8
     mode = mode or d["mode"]
     bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 64)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 128)
@@ -283,21 +367,30 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
     if one_pass and groups > ROW_KERNEL_MAX_GROUPS:
         raise ValueError(f"rmsnorm_quant: one-pass tiling of rows of {k} columns exceeds "
                          f"{ROW_KERNEL_MAX_GROUPS * GROUP}; use mode='chunked' with gb*128 < K")
-    out, scales, hp = _outputs(x, rows, k, groups, return_hp)
-    w = weight.contiguous()
-    if rows and k:
-        if mode == "persistent":
-            progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * _sm_count(x.device)))
-            _rmsnorm_quant_persistent_kernel[(progs,)](
-                x, w, out, scales, hp, rows, k, groups, eps, G=triton.next_power_of_2(groups), STAGES=stages,
-                STORE_HP=return_hp, num_warps=warps)
-        elif mode == "chunked":
-            _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
-                x, w, out, scales, hp, rows, k, groups, eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages,
-                STORE_HP=return_hp, num_warps=warps)
-        else:
-            raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
-    return (out, scales, hp) if return_hp else (out, scales)
+    if not (rows and k):
+        return
+    if mode == "persistent":
+        progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * _sm_count(x.device)))
+        _rmsnorm_quant_persistent_kernel[(progs,)](
+            x, w, out, scales, hp, rows, k, groups, eps, G=triton.next_power_of_2(groups), STAGES=stages,
+            STORE_HP=return_hp, num_warps=warps)
+    elif mode == "chunked":
+        _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
+            x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
+            eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
+            RES_BF16=round_bf16, num_warps=warps)
+    else:
+        raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
+
+
+def add_rmsnorm_quant_reference(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
+                                round_bf16: bool = True):
+    """Torch: r = x + res (fp32; `.to(bfloat16).float()` with round_bf16), then `rmsnorm_quant_reference(r)`."""
+    r = x.float() + res.float()
+    if round_bf16:
+        r = r.to(torch.bfloat16).float()
+    d, s, h = rmsnorm_quant_reference(r, weight, eps)
+    return r, d, s, h
 
 
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
