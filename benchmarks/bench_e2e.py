@@ -79,7 +79,8 @@ def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _tensor_bytes(engine, name: str, w) -> int:
-    """Storage bytes of one prepared weight in its recipe format."""
+    """Storage bytes of one prepared weight: a cuda-native `NativeWeight` (GEMM weights, the head, the embedding
+    table) as stored; a plain tensor (emulated backends hold fp32 values) at its recipe format's width."""
     from engine.native import NativeWeight
     from engine.recipe import storage_bits
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import KVCache, gqa_attention, mla_attention
 from engine.config import ModelConfig
@@ -131,7 +130,7 @@ class Transformer:
             pos = torch.arange(start, start + t, device=tokens.device)
             cos, sin = rope_tables(self.inv_freq, pos, self.rope_factor)  # (t, rope_dim) each
 
-        x = F.embedding(tokens, w["model.embed_tokens.weight"])  # (batch, t, d)
+        x = nx.embed(tokens, w["model.embed_tokens.weight"])  # (batch, t, d) fp32
         x = nx.round(x, "residual", "embed")
         nx.emit("embed", x)
         # Each residual add is taken together with the RMSNorm that reads its result (`Numerics.residual_norm`:

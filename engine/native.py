@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import MoeConfig
-from engine.formats import QTensor, parse_spec, quantize
+from engine.formats import QTensor, grouping, parse_spec, quantize
 from engine.numerics import _FLOAT_DTYPES, Numerics
 from engine.recipe import Recipe
 
@@ -101,6 +101,41 @@ def _dense(w: torch.Tensor | NativeWeight) -> torch.Tensor:
     return w.dequantize() if isinstance(w, NativeWeight) else w
 
 
+def _row_local(spec: str) -> bool:
+    """A format whose scales belong to single rows (1xN groups, MX / NVFP4 blocks) or to the whole tensor: a
+    gathered row set dequantizes on its own to the same values as in the whole table."""
+    q = parse_spec(spec)
+    return not q.is_passthrough and (q.granularity == "tensor" or grouping.group_shape(q, 2, 128)[0] == 1)
+
+
+def prepare_embedding(w: torch.Tensor, spec: str) -> NativeWeight | None:
+    """The token-embedding table stored in its `embed` format: a float format in that dtype, a row-local
+    quantized format as its QTensor (FP8 data + scales); None for anything else (the caller keeps the
+    emulation's fp32 values)."""
+    if spec in _FLOAT_DTYPES:
+        return NativeWeight(spec, w.shape, kernel=w.to(_FLOAT_DTYPES[spec]).contiguous())
+    if _row_local(spec) and w.dim() == 2:
+        return NativeWeight(spec, w.shape, q=quantize(w.float(), spec))
+    return None
+
+
+def embedding_lookup(tokens: torch.Tensor, w: NativeWeight) -> torch.Tensor:
+    """Rows `tokens` (any shape) of a `prepare_embedding` table as fp32 (..., d): a float table's rows widened,
+    a quantized table's gathered codes and scales dequantized -- the same values as the fp32 rows of the
+    whole table's dequantization (one elementwise product per element either way)."""
+    if w.q is None:
+        return F.embedding(tokens, w.kernel).float()
+    q = w.q
+    v, d = q.shape
+    rows = tokens.reshape(-1)
+    scale = q.scale
+    if scale is not None and q.spec.granularity != "tensor":
+        scale = scale.reshape(v, -1)[rows]
+    sub = QTensor(data=q.data.reshape(v, d)[rows], scale=scale, spec=q.spec, shape=torch.Size((rows.numel(), d)),
+                  orig_dtype=q.orig_dtype, tensor_scale=q.tensor_scale)
+    return sub.dequantize().reshape(*tokens.shape, d)
+
+
 def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> QTensor:
     """The `e4m3:1x128` QTensor of x (..., K) from a Triton kernel's FP8 data and (rows, K/128) scales."""
     return QTensor(data=data.reshape(x.shape), scale=scale.reshape(*x.shape[:-1], -1),
@@ -153,6 +188,10 @@ class NativeNumerics(Numerics):
         self._moe_stacks: dict[str, tuple] = {}
         self._stacks: dict[tuple, tuple] = {}  # merged q/k/v, gate/up weights (see `linears`)
         self._mm_dtype_broken: Optional[str] = None  # why torch.mm(out_dtype=) failed, if it did (lm_head)
+        # (fp32 q after RoPE, its bf16 rounding) from the last `rope`, taken by the next `query_carrier`; set only
+        # when every attention reads a bf16 query (the paged runtime's kernels)
+        self._q_bf16: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._q_carrier_bf16 = False
 
     def _count(self, op: str, how: str) -> None:
         """Record one call of `op` that ran `how` (native, or fallback:<reason>)."""
@@ -203,9 +242,19 @@ class NativeNumerics(Numerics):
         """The attention query in its `attn.q` format for a kernel: bf16 / fp16 formats as that dtype (the
         same values as `round`, half the bytes), anything else as `round`'s fp32 values."""
         spec = self.recipe.spec("attn.q", module)
+        carried, self._q_bf16 = self._q_bf16, None
         if spec in ("bf16", "fp16") and self.observer is None:
+            if spec == "bf16" and carried is not None and q is carried[0]:
+                self._count("query_carrier", "native")
+                return carried[1]  # written by the RoPE launch (`rope`): no cast kernel
+            self._count("query_carrier", "fallback:cast")
             return q.to(_FLOAT_DTYPES[spec])
         return self.round(q, "attn.q", module)
+
+    def use_query_carrier(self) -> None:
+        """Called by a caller whose attention reads the query through `query_carrier` (the paged runtime): from
+        now on `rope` also writes q rounded to bf16 in its launch, which `query_carrier` hands out."""
+        self._q_carrier_bf16 = True
 
     def fused_attn_out(self, o_proj: str) -> bool:
         """The paged attention may emit o_proj's input directly: the attention output is stored in bf16
@@ -259,7 +308,21 @@ class NativeNumerics(Numerics):
         from engine.kernels.rope import rope_qk
 
         self._count("rope", "native")
+        if self._q_carrier_bf16 and self.observer is None:
+            # a bf16 query carrier (`query_carrier`): the same launch writes q rounded to bf16 as well
+            q_out, k_out, q16 = rope_qk(q, k, cos, sin, q_bf16=True)
+            self._q_bf16 = (q_out, q16)
+            return q_out, k_out
         return rope_qk(q, k, cos, sin)
+
+    def embed(self, tokens: torch.Tensor, w: torch.Tensor | NativeWeight) -> torch.Tensor:
+        """Lookup in a table stored in its `embed` format (`prepare_embedding`): only the looked-up rows are
+        widened / dequantized (the emulation's values)."""
+        if isinstance(w, NativeWeight):
+            self._count("embed", "native")
+            return embedding_lookup(tokens, w)
+        self._count("embed", "fallback")
+        return super().embed(tokens, w)
 
     def lm_head(self, h: torch.Tensor, w: torch.Tensor | NativeWeight) -> torch.Tensor:
         """A bf16 / fp16 head (the recipe's `lm_head` format) as one cuBLAS GEMM on the weight stored in that
@@ -314,6 +377,11 @@ class NativeNumerics(Numerics):
                 and self.observer is None:  # kept in its dtype for the head GEMM (`lm_head`)
             spec = self.recipe.spec(site, module)
             return NativeWeight(spec, w.shape, kernel=w.to(_FLOAT_DTYPES[spec]).contiguous())
+        if site == "embed" and self.observer is None and not (self.recipe.scales and
+                                                              self.recipe.static_scale(site, module) is not None):
+            nw = prepare_embedding(w, self.recipe.spec(site, module))
+            if nw is not None:
+                return nw
         if site not in ("linear.weight", "moe.weight"):
             return super().prepare_weight(w, site, module)
         spec = self.recipe.spec(site, module)

@@ -145,6 +145,11 @@ class Numerics:
         """Rotate-half RoPE of q (batch, heads, t, d) and k (batch, kv_heads, t, d) (fp32 math)."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def embed(self, tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Token-embedding lookup (batch, t) -> (batch, t, d) fp32 on the prepared table (the `embed` format's
+        values); a backend may store the table in that format and dequantize only the rows it looks up."""
+        return F.embedding(tokens, w)
+
     def lm_head(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Logits (..., vocab) fp32 of the final-norm output h: the head's input format (a float type, or the
         linear input quantization), then an fp32 GEMM on the prepared head weight."""

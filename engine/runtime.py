@@ -158,6 +158,10 @@ class PagedRuntime:
             self.kv.allocate(slot, 1)
         self.attn_block = getattr(engine.nx, "attn_block", 64)
         self.native_attention = engine.backend == "cuda-native"  # emulated backends keep emulated attention
+        if self.native_attention:  # the kernels read bf16 queries: RoPE writes them in its own launch
+            for nx in (engine.nx, getattr(engine, "hp_nx", None)):
+                if hasattr(nx, "use_query_carrier"):
+                    nx.use_query_carrier()
         # a fixed split count keeps the decode kernel's grid the same at every replay of a captured step
         self.num_splits = max(1, min(64, per_seq * config.kv_block_size // 256)) if config.cuda_graphs else None
         self._graphs: dict[int, tuple] = {}

@@ -416,6 +416,43 @@ def test_paged_decode_bf16_rounded_fp8_output(dv):
         paged_decode_attention(q, cache, 0, out_round="bf16")  # rounding without quantization: use out_dtype
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_decode_direct_single_split_is_the_reduce_bit_for_bit(fp8):
+    """num_splits=1 writes the output from the split itself (`direct`, no reduce launch): every output mode
+    (fp32, bf16, E4M3 with the bf16 rounding and the fp32 copy) is bitwise the two-kernel path's, for a
+    bf16 and an FP8 cache with GQA rows, tq > 1 and a sliding window; direct with several splits is refused."""
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+
+    kw = dict(k_spec="e4m3:head", v_spec="e4m3:1x128") if fp8 else dict(dtype=torch.bfloat16)
+    cache = PagedKVCache(1, 64, 64, 2, 128, max_seqs=3, device=DEV, **kw)
+    _fill(cache, 0, [100, 700, 1300], chunk=256, seed=70)
+    q = _rand(3, 8, 2, 128, seed=71)
+    for opts in (dict(), dict(out_dtype=torch.bfloat16), dict(sliding_window=200),
+                 dict(out_quant="e4m3:1x128", out_round="bf16", return_hp=True)):
+        two = paged_decode_attention(q, cache, 0, num_splits=1, direct=False, **opts)
+        one = paged_decode_attention(q, cache, 0, num_splits=1, **opts)
+        for a, b in zip(two if isinstance(two, tuple) else (two,), one if isinstance(one, tuple) else (one,)):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), opts
+    with pytest.raises(ValueError, match="num_splits=1"):
+        paged_decode_attention(q, cache, 0, num_splits=2, direct=True)
+
+
+def test_paged_decode_pv_fp16_matches_bf16_pv():
+    """The fp16 PV path (bf16 weights P * v_scale scaled by a power of two per row, V widened to fp16) gives the
+    bf16 PV path's products: outputs agree to accumulation order (<= 1e-5 relative), both within TOL of fp32."""
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+
+    cache = PagedKVCache(1, 64, 64, 2, 128, max_seqs=2, device=DEV, dtype=torch.float8_e4m3fn,
+                         k_spec="e4m3:head", v_spec="e4m3:1x128")
+    _fill(cache, 0, [900, 1500], chunk=256, seed=80)
+    q = _rand(2, 8, 1, 128, seed=81)
+    ref = paged_decode_attention_reference(q, cache, 0)
+    f16 = paged_decode_attention(q, cache, 0, num_splits=3, pv_fp16=True)
+    b16 = paged_decode_attention(q, cache, 0, num_splits=3, pv_fp16=False)
+    assert _rel_err(f16, b16) <= 1e-5 and _rel_err(f16, ref) <= TOL and _rel_err(b16, ref) <= TOL
+    assert not torch.equal(f16, paged_decode_attention(q, cache, 0, num_splits=3, fold_v_scale=False))
+
+
 def test_paged_decode_nan_in_v_propagates():
     """A NaN written into V of one sequence (its 128-group scale becomes NaN) poisons that sequence's
     output and nobody else's."""

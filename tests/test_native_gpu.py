@@ -19,7 +19,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = ["bf16", "fp8-tensor", "fp8-block", "fp8-kv", "mxfp8", "w4a16-mxfp4"]
+RECIPES = ["bf16", "fp8-tensor", "fp8-block", "fp8-kv", "mxfp8", "w4a16-mxfp4", "fp8-block-embed"]
 
 
 def _kld(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -60,8 +60,9 @@ def test_native_matches_emulation_within_kernel_noise(model, recipe):
           f"coverage {dict(nat_engine.nx.coverage)}")
     assert tot <= 1.25 * fmt + 2e-4 and ker <= fmt + 2e-4, (fmt, ker, tot)
     cov = nat_engine.nx.coverage_summary()
-    if recipe in ("fp8-block", "fp8-tensor", "bf16", "mxfp8"):
+    if recipe in ("fp8-block", "fp8-tensor", "bf16", "mxfp8", "fp8-block-embed"):
         assert cov.get("linear.native_frac", 0.0) == 1.0, cov
+    assert cov.get("embed.native_frac") == 1.0, cov  # the table is held in its `embed` format
 
 
 def test_native_quantizer_is_bit_exact():
@@ -118,6 +119,10 @@ def test_fused_dispatch_points_run_native_and_keep_their_values(model):
     eng.logits(x)
     cov = eng.nx.coverage_summary()
     assert cov.get("residual_norm.native_frac") == 1.0 and cov.get("lm_head.native_frac") == 1.0, cov
+    table = eng.weights["model.embed_tokens.weight"]  # stored bf16 (half the bytes of the fp32 values)
+    assert table.kernel.dtype == torch.bfloat16 and table.storage_bytes() == table.kernel.numel() * 2
+    emu_table = Engine(m, "fp8-block", backend="cuda-emulated").weights["model.embed_tokens.weight"]
+    assert torch.equal(eng.nx.embed(x, table), torch.nn.functional.embedding(x, emu_table))
     if m.cfg.mla is None:
         assert cov.get("rope.native_frac") == 1.0, cov
     nx, w = eng.nx, eng.weights

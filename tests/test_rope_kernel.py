@@ -103,6 +103,14 @@ def _check(q, k, cos, sin, **knobs) -> None:
     for name, out, ref in (("q", qo, qr), ("k", ko, kr)):
         ok, why = _same_bits(out, ref)
         assert ok, f"{name}: {why}"
+    # q_bf16: the same launch also writes q rounded to bf16 (the paged attention's query carrier)
+    qo2, ko2, q16 = rope_qk(q, k, cos, sin, q_bf16=True, **knobs)
+    assert q16.dtype == torch.bfloat16 and q16.shape == qr.shape and q16.is_contiguous()
+    assert _same_bits(qo2, qr)[0] and _same_bits(ko2, kr)[0]
+    want = qr.to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(q16), nan)
+    assert torch.equal(q16.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), "q bf16 copy"
 
 
 # ------------------------------------------------------------------ GPU

@@ -43,6 +43,8 @@ def test_cuda_graph_decode_is_bitwise_eager(zoo, recipe):
     b_out, b_logits = graph.generate(PROMPTS, 12, return_logits=True)
     assert a_out == b_out
     assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
+    cov = eng.nx.coverage  # the bf16 queries came out of the RoPE launch, never from a separate cast
+    assert cov["query_carrier:native"] > 0 and cov["query_carrier:fallback:cast"] == 0, dict(cov)
 
 
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:

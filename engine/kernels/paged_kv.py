@@ -39,7 +39,7 @@ __all__ = ["PagedKVCache", "kv_write", "paged_decode_attention", "paged_decode_a
 # ------------------------------------------------------------- decode kernels
 @triton.jit
 def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr, seq_ptr, slen_ptr, qpos_ptr,
-                         pm_ptr, pl_ptr, pacc_ptr,
+                         pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr,
                          sqb, sqh, sqt, sqd, sqsb, sqsh, sqst, s_bt, s_qp,
                          sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t,
                          svs_blk, svs_h, svs_t, svs_g,
@@ -48,7 +48,9 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
                          DV_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_QS: tl.constexpr,
                          HAS_SCALES: tl.constexpr, V_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr,
-                         PAGE_TILE: tl.constexpr, QK_F16: tl.constexpr, V_ON_P: tl.constexpr):
+                         PAGE_TILE: tl.constexpr, QK_F16: tl.constexpr, V_ON_P: tl.constexpr,
+                         PV_F16: tl.constexpr = False, DIRECT: tl.constexpr = False,
+                         OUT_MODE: tl.constexpr = 0, STORE_HP: tl.constexpr = False):
     """Grid (batch*kv_heads, row blocks, splits). Rows r = g*TQ + i pack the GROUP query heads sharing one KV
     head (times tq queries) into one tile; the split takes an equal share (whole BN tiles, BN-aligned) of the
     keys [lo, hi) its rows can see and writes partial (max, sum, unnormalised acc) for the reduce kernel.
@@ -59,7 +61,13 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     its row's max, and the power of two is taken back out of the fp32 scores.
     V_ON_P (FP8 V with one scale per token): the token's V scale multiplies P (BM x BN) instead of V
     (BN x DV): V is widened exactly to bf16 and P * v_scale is rounded to bf16 once (one rounding less
-    than bf16(P) x bf16(V * v_scale))."""
+    than bf16(P) x bf16(V * v_scale)).
+    PV_F16 (with V_ON_P): the bf16 values bf16(P * v_scale) of each row are scaled by a power of two into
+    fp16 range (row max -> [2**14, 2**15)) and V is widened to fp16 (one cvt per two elements, as K):
+    the same products as the bf16 PV for every weight within 2**-32 of its row's max in the tile, the
+    power of two taken back out of the fp32 result.
+    DIRECT (NSPLIT == 1): the program writes the final output itself (acc / l, stored as
+    `_decode_reduce_kernel` would: the same bits, one launch fewer) instead of partials."""
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
@@ -129,16 +137,28 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
         if V_ON_P:
             v = tl.load(vc_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
             vsc = tl.load(vcs_ptr + vs_rows, mask=tmask, other=1.0)  # (BN,)
-            pv = tl.dot((p * vsc[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
+            if PV_F16:
+                wp = (p * vsc[None, :]).to(tl.bfloat16).to(tl.float32)  # the bf16 weights of the bf16 path
+                e = ((tl.max(wp, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max)
+                sh = tl.minimum(tl.maximum(14 - e, -126), 126)
+                wp = (wp * ((sh + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+                pv = tl.dot(wp, v.to(tl.float16)) * ((127 - sh) << 23).to(tl.float32, bitcast=True)[:, None]
+            else:
+                pv = tl.dot((p * vsc[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
         else:
             v = _load_v(vc_ptr + v_rows[:, None] + dv[None, :], vcs_ptr + vs_rows, svs_g, tmask,
                         HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
             pv = tl.dot(p.to(PV_DTYPE), v)
         acc = acc * alpha[:, None] + pv
-    prow = ((b * (HKV * GROUP) + head) * TQ + i).to(tl.int64) * NSPLIT + split  # (BM,) into (B, H, TQ, S)
-    tl.store(pm_ptr + prow, m_i, mask=rmask)
-    tl.store(pl_ptr + prow, l_i, mask=rmask)
-    tl.store(pacc_ptr + prow[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
+    if DIRECT:  # one split: the reduce's sum_s w_s acc_s / sum_s w_s l_s with the single weight w = 1, exactly
+        orow = (b * TQ + i) * (HKV * GROUP) + head  # (BM,) rows of the output viewed as (B*TQ*H, DV)
+        _store_output(acc / l_i[:, None], orow, rmask, 0, out_ptr, hp_ptr, osc_ptr, DV, DV, DV_P, OUT_MODE,
+                      STORE_HP)
+    else:
+        prow = ((b * (HKV * GROUP) + head) * TQ + i).to(tl.int64) * NSPLIT + split  # (BM,) into (B, H, TQ, S)
+        tl.store(pm_ptr + prow, m_i, mask=rmask)
+        tl.store(pl_ptr + prow, l_i, mask=rmask)
+        tl.store(pacc_ptr + prow[:, None] * DV + dv[None, :], acc, mask=rmask[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -285,7 +305,8 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                            out_dtype: torch.dtype = torch.float32, out_quant: Optional[str] = None,
                            return_hp: bool = False, num_warps: int = 4, num_stages: int = 5,
                            qk_fp16: Optional[bool] = None, fold_v_scale: Optional[bool] = None,
-                           maxnreg: Optional[int] = None, out_round: Optional[str] = None):
+                           maxnreg: Optional[int] = None, out_round: Optional[str] = None,
+                           pv_fp16: Optional[bool] = None, direct: Optional[bool] = None):
     """Decode attention over the paged cache (split-K). Reference: `paged_decode_attention_reference`.
 
     q: (batch, heads, tq, head_dim) fp32 / bf16 / fp16 / float8_e4m3fn (with q_scale: per tensor,
@@ -297,8 +318,11 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     CUDA graphs). Tuning knobs (see `_paged_decode_kernel`; benchmarks/tune_kernels.py sweeps them):
     block_n, num_splits, num_warps, num_stages; maxnreg (registers per thread: at 4 warps the decode
     kernel takes all 255 without it, i.e. 2 programs per SM; 128 allows 4 without spills on sm_90);
-    qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q) and fold_v_scale (default: on for an FP8
-    cache with one V scale per token, head_dim_v <= 128), both ignored where they do not apply.
+    qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q), fold_v_scale (default: on for an FP8
+    cache with one V scale per token, head_dim_v <= 128) and pv_fp16 (default: on with fold_v_scale;
+    H200, 8 x 32K: 1.86 -> 1.94 TB/s, benchmarks/results/h200-2026-11-29-session5), all ignored where
+    they do not apply; direct (default: on when num_splits == 1): the split writes the output itself, no
+    reduce launch (same bits).
 
     Returns (batch, tq, heads*head_dim_v) like `flash_attention` (fp32 / bf16, or with
     out_quant="e4m3:1x128" (data, scales[, fp32 output]); out_round="bf16" with out_quant rounds the
@@ -332,17 +356,25 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
         # (benchmarks/results/h200-2026-11-29-session3/tune_attention.txt) has 4 splits of batch 8 x 8 KV heads
         # at 1.92 TB/s vs 1.90 for 8 and 1.74 for 48: with 5 pipeline stages fewer, longer programs win
         num_splits = max(1, min((2 * sms) // (b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
-    pm = torch.empty((b, h, tq, num_splits), device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty((b, h, tq, num_splits, dv), device=dev, dtype=torch.float32)
+    direct = num_splits == 1 if direct is None else bool(direct)
+    if direct and num_splits != 1:
+        raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, got {num_splits}")
+    out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp, out_round)
+    if direct:
+        pm = pl = pacc = out  # unused
+    else:
+        pm = torch.empty((b, h, tq, num_splits), device=dev, dtype=torch.float32)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty((b, h, tq, num_splits, dv), device=dev, dtype=torch.float32)
     kc, vc = cache.k_data(layer), cache.v_data(layer)
     kcs, vcs = cache.k_scale(layer), cache.v_scale(layer)
     compute, fp32_qk, pv = _compute_types(q.dtype, kc.dtype, vc.dtype)
     qk_scale = (1.0 / math.sqrt(dq) if scale is None else float(scale)) * LOG2E
     f16_ok = cache.fp8 and q.dtype in (torch.bfloat16, torch.float8_e4m3fn)
     fold_ok = cache.fp8 and cache.v_groups == 1
+    fold = fold_ok and (fold_v_scale is None or bool(fold_v_scale))
     args = (q, qs if qs is not None else pm, kc, vc, kcs if kcs is not None else pm, vcs if vcs is not None else pm,
-            cache.block_tables, ids, lens, qp, pm, pl, pacc,
+            cache.block_tables, ids, lens, qp, pm, pl, pacc, out, hp, osc,
             *q.stride(), *_strides(qs, 3), cache.block_tables.stride(0), qp.stride(0),
             *kc.stride()[:3], *vc.stride()[:3], *_strides(kcs, 3), *_strides(vcs, 4),
             hkv, group, tq, num_splits, qk_scale, sliding_window or 0)
@@ -350,15 +382,16 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                   HAS_QS=qs is not None, HAS_SCALES=cache.fp8, V_GROUPS=cache.v_groups,
                   HAS_WINDOW=sliding_window is not None, COMPUTE=compute, PV_DTYPE=pv, FP32_QK=fp32_qk,
                   PAGE_TILE=block_n <= cache.block_size, QK_F16=f16_ok and (qk_fp16 is None or bool(qk_fp16)),
-                  V_ON_P=fold_ok and (fold_v_scale is None or bool(fold_v_scale)),
+                  V_ON_P=fold, PV_F16=fold and (pv_fp16 is None or bool(pv_fp16)),
+                  DIRECT=direct, OUT_MODE=mode, STORE_HP=store_hp,
                   num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
             f"paged_decode_attention(block_n={block_n})")
-    out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp, out_round)
-    _launch(_decode_reduce_kernel, (b * h * tq,),
-            (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
-            dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode, STORE_HP=store_hp,
-                 num_warps=4), "paged decode reduce")
+    if not direct:
+        _launch(_decode_reduce_kernel, (b * h * tq,),
+                (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
+                dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode,
+                     STORE_HP=store_hp, num_warps=4), "paged decode reduce")
     return _finish(out, hp, osc, out_quant, return_hp, second)
 
 

@@ -30,14 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quant import _round_bf16
+
 
 # ---------------------------------------------------------------------- kernels
 @triton.jit
-def _rope_heads(x_ptr, o_ptr, c1, c2, s1, s2, b, ti, h0, H, T, sxb, sxh, sxt,
-                HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+def _rope_heads(x_ptr, o_ptr, o16_ptr, c1, c2, s1, s2, b, ti, h0, H, T, sxb, sxh, sxt,
+                HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BF16_COPY: tl.constexpr):
     """Rotate heads h0 .. h0+BH-1 (masked to H) of position ti of sequence b; c*/s* are the (BD,) halves of cos/sin.
 
-    x is (batch, H, T, 2*HALF) with strides (sxb, sxh, sxt, 1); the output is contiguous."""
+    x is (batch, H, T, 2*HALF) with strides (sxb, sxh, sxt, 1); the output is contiguous. BF16_COPY also
+    stores the output rounded to bf16 (RNE, on the bits) at o16_ptr, same layout."""
     hh = h0 + tl.arange(0, BH)  # (BH,) head indices
     j = tl.arange(0, BD)  # (BD,) index within a half
     mask = (hh < H)[:, None] & (j < HALF)[None, :]  # (BH, BD)
@@ -49,16 +52,21 @@ def _rope_heads(x_ptr, o_ptr, c1, c2, s1, s2, b, ti, h0, H, T, sxb, sxh, sxt,
     orow = o_ptr + ((b.to(tl.int64) * H + hh.to(tl.int64)[:, None]) * T + ti) * (2 * HALF)
     tl.store(orow + j[None, :], out1, mask=mask)
     tl.store(orow + HALF + j[None, :], out2, mask=mask)
+    if BF16_COPY:
+        orow16 = o16_ptr + ((b.to(tl.int64) * H + hh.to(tl.int64)[:, None]) * T + ti) * (2 * HALF)
+        tl.store(orow16 + j[None, :], _round_bf16(out1).to(tl.bfloat16), mask=mask)
+        tl.store(orow16 + HALF + j[None, :], _round_bf16(out2).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, T, H, HKV, n_qblocks,
+def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, q16_ptr, cos_ptr, sin_ptr, T, H, HKV, n_qblocks,
                     sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
-                    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, Q_BF16: tl.constexpr = False):
     """Grid (batch * t, q head blocks + k head blocks): one program rotates BH heads of one position.
 
     cos/sin rows are read once per program (strides (scb, sct) / (ssb, sst); 0 where broadcast) and
-    shared by its heads; program column < n_qblocks works on q, the rest on k."""
+    shared by its heads; program column < n_qblocks works on q, the rest on k. Q_BF16: q's output is also
+    stored rounded to bf16 at q16_ptr (the attention kernel's query carrier, without a cast launch)."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid // T
@@ -72,10 +80,11 @@ def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, T, H, HKV, n
     s1 = tl.load(srow + j, mask=jm, other=0.0)
     s2 = tl.load(srow + HALF + j, mask=jm, other=0.0)
     if blk < n_qblocks:
-        _rope_heads(q_ptr, qo_ptr, c1, c2, s1, s2, b, ti, blk * BH, H, T, sqb, sqh, sqt, HALF, BH, BD)
+        _rope_heads(q_ptr, qo_ptr, q16_ptr, c1, c2, s1, s2, b, ti, blk * BH, H, T, sqb, sqh, sqt, HALF, BH, BD,
+                    Q_BF16)
     else:
-        _rope_heads(k_ptr, ko_ptr, c1, c2, s1, s2, b, ti, (blk - n_qblocks) * BH, HKV, T, skb, skh, skt,
-                    HALF, BH, BD)
+        _rope_heads(k_ptr, ko_ptr, ko_ptr, c1, c2, s1, s2, b, ti, (blk - n_qblocks) * BH, HKV, T, skb, skh, skt,
+                    HALF, BH, BD, False)
 
 
 # --------------------------------------------------------------------- wrappers
@@ -114,7 +123,7 @@ def _table(c: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-            block_h: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            block_h: int | None = None, num_warps: int | None = None, q_bf16: bool = False):
     """Rotate-half RoPE of q (batch, heads, t, d) and k (batch, kv_heads, t, d) fp32 in one launch.
 
     cos/sin: (t, d), (1, 1, t, d) or (batch, 1, t, d) fp32 (`engine.rope.rope_tables`). q, k and the
@@ -122,7 +131,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     (batch, kv_heads, t, d), bit-identical to ``apply_rope(q, cos, sin), apply_rope(k, cos, sin)``
     (NaN payloads aside). d must be even. Knobs (same bits for every value): `block_h` heads per
     program (power of two; default: up to 16, at most the smaller head count), `num_warps`.
-    Reference: `rope_qk_reference`."""
+    q_bf16=True also returns q's output rounded to bf16 (a third tensor, (batch, heads, t, d) bf16, equal to
+    ``q_out.to(torch.bfloat16)``), written by the same launch. Reference: `rope_qk_reference`."""
     _check_qk(q, "q")
     _check_qk(k, "k")
     b, h, t, d = q.shape
@@ -137,8 +147,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos_b, sin_b = _table(cos, "cos", q), _table(sin, "sin", q)
     q_out = torch.empty((b, h, t, d), device=q.device, dtype=torch.float32)
     k_out = torch.empty((b, hkv, t, d), device=k.device, dtype=torch.float32)
+    q16 = torch.empty((b, h, t, d), device=q.device, dtype=torch.bfloat16) if q_bf16 else None
     if q_out.numel() == 0 and k_out.numel() == 0:
-        return q_out, k_out
+        return (q_out, k_out, q16) if q_bf16 else (q_out, k_out)
     half = d // 2
     bd = triton.next_power_of_2(half)
     if block_h is None:
@@ -150,11 +161,11 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     n_qblocks = triton.cdiv(h, block_h)
     grid = (b * t, n_qblocks + triton.cdiv(hkv, block_h))
     _rope_qk_kernel[grid](
-        q, k, q_out, k_out, cos_b, sin_b, t, h, hkv, n_qblocks,
+        q, k, q_out, k_out, q16 if q_bf16 else q_out, cos_b, sin_b, t, h, hkv, n_qblocks,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos_b.stride(0), cos_b.stride(2), sin_b.stride(0), sin_b.stride(2),
-        HALF=half, BH=block_h, BD=bd, num_warps=num_warps, enable_fp_fusion=False)
-    return q_out, k_out
+        HALF=half, BH=block_h, BD=bd, Q_BF16=q_bf16, num_warps=num_warps, enable_fp_fusion=False)
+    return (q_out, k_out, q16) if q_bf16 else (q_out, k_out)
 
 
 def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
