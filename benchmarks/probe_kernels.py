@@ -122,6 +122,120 @@ def probe_gemm(copy_tbs: float) -> None:
             print(flush=True)
 
 
+@triton.jit
+def _gemv_probe_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, groups_per_split, stride_wn, stride_wsn,
+                       BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr):
+    """M = 1 on CUDA cores, grid (N / BN, splits): each step loads a (BN, GK*128) FP8 weight tile straight into
+    registers (16-byte vectors, no shared memory, no MMA), multiplies by x in fp32 (exact E4M3 products),
+    sums each 128-group in fp32, scales it by w_scale * x_scale and accumulates (the block-scaled math)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    offs = tl.arange(0, GK * 128)
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for gg in tl.range(g0, g1, GK, num_stages=STAGES):
+        k = gg * 128 + offs
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :]).to(tl.float32)
+        x = tl.load(x_ptr + k).to(tl.float32)
+        part = tl.sum(tl.reshape(w * x[None, :], (BN, GK, 128)), axis=2)  # (BN, GK) group dots
+        gi = gg + tl.arange(0, GK)
+        sc = tl.load(ws_row + gi) * tl.load(xs_ptr + gi)
+        acc += tl.sum(part * sc[None, :], axis=1)
+    tl.store(out_ptr + pid_s * N + rows, acc)
+
+
+def gemv(xd, xs, wd, ws, bn=8, gk=4, splits=1, warps=4, stages=2):
+    n, k = wd.shape
+    kb = k // 128
+    per = kb // splits
+    if per % gk or n % bn or kb % splits:
+        raise ValueError("shape")
+    part = torch.empty((splits, n), device=xd.device, dtype=torch.float32)
+    _gemv_probe_kernel[(n // bn, splits)](xd, xs, wd, ws, part, n, k, per, wd.stride(0), ws.stride(0),
+                                          BN=bn, GK=gk, STAGES=stages, num_warps=warps)
+    return part
+
+
+def probe_gemv(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                        (7168, 16384))) -> None:
+    from engine.kernels import gemm as G
+
+    print("\n## M = 1 GEMV on CUDA cores (split partials summed outside the timing when splits > 1)")
+    for n, k in shapes:
+        xd, xs, wd, ws = fp8_block_operands(1, n, k)
+        ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)[0]
+        t0 = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=30)
+        res = []
+        for bn in (2, 4, 8, 16, 32):
+            for gk in (1, 2, 4, 8):
+                for splits in (1, 2, 4, 8):
+                    ctas = n // bn * splits
+                    if ctas < 256 or ctas > 8192 or bn * gk * 128 > 16384 or bn * gk * 128 < 1024:
+                        continue
+                    for warps, stages in ((4, 1), (4, 2), (4, 3), (8, 2)):
+                        cfg = dict(bn=bn, gk=gk, splits=splits, warps=warps, stages=stages)
+                        try:
+                            out = gemv(xd, xs, wd, ws, **cfg).sum(0)
+                            err = ((out - ref).abs().max() / ref.abs().max()).item()
+                            t = time_us(lambda: gemv(xd, xs, wd, ws, **cfg), reps=30)
+                        except Exception as exc:  # noqa: BLE001
+                            if "shape" not in str(exc):
+                                print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                            continue
+                        res.append((t, cfg, err))
+        res.sort(key=lambda r: r[0])
+        print(f"  {n}x{k}: production {t0:6.1f} us {n * k / t0 / 1e6:5.2f} TB/s", flush=True)
+        for t, cfg, err in res[:6]:
+            print(f"      {t:6.1f} us {n * k / t / 1e6:5.2f} TB/s ({100 * n * k / t / 1e6 / copy_tbs:.0f}% copy) {cfg} "
+                  f"rel err vs production {err:.1e}", flush=True)
+        one = [r for r in res if r[1]["splits"] == 1]
+        if one:
+            print(f"      best with 1 split (no reduce): {one[0][0]:6.1f} us {one[0][1]}")
+
+
+def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))) -> None:
+    """The production decode kernel (`fp8_block_gemm_triton`, fused split-K reduce included) over tiles, splits
+    and pipeline depths on the Llama-3-8B decode shapes at M = 1; prints DECODE_CONFIGS-style winners."""
+    from engine.kernels import gemm as G
+
+    print("\n## decode GEMM knob sweep, production kernel, M = 1 (us, TB/s of weight bytes)")
+    for n, k in shapes:
+        xd, xs, wd, ws = fp8_block_operands(1, n, k)
+        ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        t0 = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=30)
+        res = []
+        for bn in (16, 32, 64, 128):
+            for split in (1, 2, 4, 8):
+                ctas = -(-n // bn) * split
+                if ctas < 100 or ctas > 1200:
+                    continue
+                for warps, stages in ((4, 3), (4, 4), (4, 6), (4, 8), (8, 4)):
+                    if bn == 128 and stages > 4 or bn < 64 and warps == 8:
+                        continue
+                    cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
+                    try:
+                        out = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **cfg)
+                        err = ((out - ref).abs().max() / ref.abs().max()).item()
+                        t = time_us(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32,
+                                                                     **cfg), reps=30)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                        continue
+                    res.append((t, cfg, err))
+        res.sort(key=lambda r: r[0])
+        print(f"  {n}x{k}: default {t0:6.1f} us {n * k / t0 / 1e6:5.2f} TB/s", flush=True)
+        for t, cfg, err in res[:6]:
+            print(f"      {t:6.1f} us {n * k / t / 1e6:5.2f} TB/s ({100 * n * k / t / 1e6 / copy_tbs:.0f}% copy) {cfg} "
+                  f"rel err vs default {err:.1e}", flush=True)
+        for bn in (16, 32, 64, 128):
+            b = [r for r in res if r[1]["block_n"] == bn]
+            if b:
+                print(f"      best block_n={bn}: {b[0][0]:6.1f} us {b[0][1]}")
+
+
 def probe_attention(copy_tbs: float) -> None:
     from benchmarks.bench_attention import fill_cache
     from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
@@ -194,6 +308,10 @@ def main() -> int:
     parts = args.only.split(",")
     if "gemm" in parts:
         probe_gemm(copy_tbs)
+    if "gemv" in parts:
+        probe_gemv(copy_tbs)
+    if "decode_tune" in parts:
+        probe_decode_tune(copy_tbs)
     if "attn" in parts:
         probe_attention(copy_tbs)
     if "prefill" in parts:

@@ -167,6 +167,37 @@ def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
         G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, out_round="bf16")
 
 
+@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (200, 1000), (136, 320)])
+def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
+    """M = 1 without knobs runs `_fp8_gemv_kernel` (counted): within TOL of the float64 reference with and without
+    bias, in bf16 / fp32 / bf16-rounded fp32 (bit for bit the bf16 output widened), fp32 output within 1e-4 (exact
+    products, fp32 sums; the MMA kernel's bound is TOL), deterministic; N and K tails (200 x 1000) masked; GEMV_M1 = False restores the
+    split-K kernel."""
+    n, k = nk
+    xd, xs, wd, ws = _block_operands(1, n, k, seed=n + k)
+    bias = torch.randn(n, device="cuda")
+    calls = []
+    real = G._launch_gemv
+    monkeypatch.setattr(G, "_launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    for b in (None, bias):
+        r = ref if b is None else ref + b
+        f32 = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.float32)
+        bf = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.bfloat16)
+        rounded = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.float32, out_round="bf16")
+        assert _rel(f32, r) <= TOL[torch.float32] and _rel(bf, r) <= TOL[torch.bfloat16]
+        assert torch.equal(rounded, bf.float()) and torch.equal(f32, G.fp8_block_linear(xd, xs, wd, ws, b,
+                                                                                       out_dtype=torch.float32))
+        # exact products summed in fp32: far inside the FP8 tensor-core path's TOL (its MMA accumulates each
+        # 128-group with reduced precision), which the split-K kernel still meets on the same operands
+        mma = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.float32, split_k=2)
+        assert _rel(f32, r) <= 1e-4 and _rel(mma, r) <= TOL[torch.float32]
+    assert len(calls) == 8
+    monkeypatch.setattr(G, "GEMV_M1", False)
+    G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert len(calls) == 8
+
+
 def test_triton_large_m_fallback(G):
     """The Triton kernel with large tiles (used when cuBLAS refuses) is accurate too."""
     xd, xs, wd, ws = _block_operands(200, 264, 1152, seed=13)

@@ -161,6 +161,41 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
 
 
+@triton.jit(do_not_specialize=["N", "stride_xsg", "stride_wsn", "stride_wsg"])
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stride_wn, stride_xsg, stride_wsn,
+                     stride_wsg, BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ROUND_BF16: tl.constexpr):
+    """M = 1 on CUDA cores, grid (cdiv(N, BN),): a program streams BN whole weight rows, GK 128-groups per step,
+    straight into registers (16-byte loads; no shared memory, no MMA, no split-K and so no reduce). Per
+    group: the 128 exact E4M3 x E4M3 products summed in fp32, times w_scale * x_scale, accumulated in fp32
+    -- the block-scaled math of `_fp8_block_gemm_kernel` in another summation order. BN divides 128 (one
+    weight-scale row per program); per-tensor scales use stride 0."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    r_ok = rows < N
+    offs = tl.arange(0, GK * 128)
+    kb = tl.cdiv(K, 128)
+    ws_row = ws_ptr + ((pid * BN) // 128) * stride_wsn
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for g0 in tl.range(0, kb, GK, num_stages=STAGES):
+        k = g0 * 128 + offs
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(tl.reshape(w * x[None, :], (BN, GK, 128)), axis=2)  # (BN, GK) per-group dots
+        gi = g0 + tl.arange(0, GK)
+        g_ok = gi < kb
+        sc = tl.load(ws_row + gi * stride_wsg, mask=g_ok, other=0.0) * tl.load(xs_ptr + gi * stride_xsg, mask=g_ok,
+                                                                             other=0.0)
+        acc += tl.sum(part * sc[None, :], axis=1)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
 @triton.jit
 def _e2m1_to_f32(code):
     """E2M1 codes (int32, 0..15: sign, 2 exponent bits, 1 mantissa bit) -> fp32, via the fp32 bits."""
@@ -273,6 +308,11 @@ TUNE_MIN_WEIGHT = 1 << 24
 # Split-K partials summed by the last split of each tile (same bits as the reduce kernel, one launch
 # fewer per GEMM: a decode step has ~6 per layer) unless a call or a DECODE_CONFIGS entry says otherwise.
 FUSED_REDUCE_DEFAULT = True
+# M = 1 without explicit knobs runs `_fp8_gemv_kernel` (CUDA cores, whole rows per program, no split-K): on the
+# H200 it beat the split-K MMA kernel on every Llama-3-8B decode shape (benchmarks/results/h200-2026-11-29-
+# session5/probe_gemv.txt: 4096x4096 11.2 vs 13.8 us, 4096x14336 24.2 vs 26.7 us). Its bits differ from the
+# M >= 2 kernel's (summation order), as cuBLAS's above `small_m` do.
+GEMV_M1 = True
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
@@ -404,6 +444,19 @@ def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str,
     return dict(DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {}))
 
 
+def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
+                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4) -> None:
+    """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
+    H200 sweep (benchmarks/results/h200-2026-11-29-session5/probe_gemv.txt): 8 rows x 8 groups per step."""
+    n, k = w.shape
+    gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
+    _fp8_gemv_kernel[(_cdiv(n, block_n),)](
+        x, xs, w, ws, out, bias if bias is not None else out, n, k, w.stride(0), xs_strides[1], *ws_strides,
+        BN=block_n, GK=gk, STAGES=num_stages, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
+        num_warps=num_warps)
+
+
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
@@ -422,8 +475,12 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if k == 0:
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
-    cfg = _decode_knobs(m, n, k, x.device, dict(split_k=split_k, block_n=block_n, num_warps=num_warps,
-                                                 num_stages=num_stages, fused_reduce=fused_reduce))
+    knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                 fused_reduce=fused_reduce)
+    if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
+        _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16)
+        return out
+    cfg = _decode_knobs(m, n, k, x.device, knobs)
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
     if bn not in (16, 32, 64, 128):
