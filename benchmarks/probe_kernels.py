@@ -78,6 +78,29 @@ def tma_gemm(xd, xs, wd, ws, bn=64, splits=1, warps=4, stages=4, ksub=1, tma=Tru
     return part
 
 
+def _sweep_one(res: list, cfg: dict, run, ref: torch.Tensor, quiet: str = "") -> None:
+    """Run one config: rel error of run() (summed over split partials when 3-D) vs ref, and its time; appended to
+    res as (us, cfg, err), or a FAILED line (unless the error message contains `quiet`)."""
+    try:
+        out = run()
+        out = out.sum(0) if out.dim() == 3 or (out.dim() == 2 and ref.dim() == 1) else out
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        t = time_us(run, reps=30)
+    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+        if not quiet or quiet not in str(exc):
+            print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+        return
+    res.append((t, cfg, err))
+
+
+def _top(res: list, wbytes: float, copy_tbs: float, against: str, n: int = 6) -> None:
+    """Print the n fastest configs of a sweep (sorted in place)."""
+    res.sort(key=lambda r: r[0])
+    for t, cfg, err in res[:n]:
+        print(f"      {t:6.1f} us {wbytes / t / 1e6:5.2f} TB/s ({100 * wbytes / t / 1e6 / copy_tbs:.0f}% copy) {cfg} "
+              f"rel err vs {against} {err:.1e}", flush=True)
+
+
 def probe_gemm(copy_tbs: float) -> None:
     from engine.kernels import gemm as G
 
@@ -103,18 +126,8 @@ def probe_gemm(copy_tbs: float) -> None:
                                         or (n // bn) * splits < 132:
                                     continue
                                 cfg = dict(bn=bn, splits=splits, warps=warps, stages=stages, ksub=ksub, tma=tma)
-                                try:
-                                    out = tma_gemm(xd, xs, wd, ws, **cfg).sum(0)
-                                    err = ((out - ref).abs().max() / ref.abs().max()).item()
-                                    t = time_us(lambda: tma_gemm(xd, xs, wd, ws, **cfg), reps=30)
-                                except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-                                    print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
-                                    continue
-                                res.append((t, cfg, err))
-            res.sort(key=lambda r: r[0])
-            for t, cfg, err in res[:6]:
-                print(f"      {t:6.1f} us {wbytes / t / 1e6:5.2f} TB/s ({100 * wbytes / t / 1e6 / copy_tbs:.0f}% copy) "
-                      f"{cfg} err {err:.1e}")
+                                _sweep_one(res, cfg, lambda cfg=cfg: tma_gemm(xd, xs, wd, ws, **cfg), ref)
+            _top(res, wbytes, copy_tbs, "production")
             for ks in (1, 2, 4, 8):
                 b = [r for r in res if r[1]["ksub"] == ks]
                 if b:
@@ -177,20 +190,9 @@ def probe_gemv(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 4096
                         continue
                     for warps, stages in ((4, 1), (4, 2), (4, 3), (8, 2)):
                         cfg = dict(bn=bn, gk=gk, splits=splits, warps=warps, stages=stages)
-                        try:
-                            out = gemv(xd, xs, wd, ws, **cfg).sum(0)
-                            err = ((out - ref).abs().max() / ref.abs().max()).item()
-                            t = time_us(lambda: gemv(xd, xs, wd, ws, **cfg), reps=30)
-                        except Exception as exc:  # noqa: BLE001
-                            if "shape" not in str(exc):
-                                print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-                            continue
-                        res.append((t, cfg, err))
-        res.sort(key=lambda r: r[0])
+                        _sweep_one(res, cfg, lambda cfg=cfg: gemv(xd, xs, wd, ws, **cfg), ref, quiet="shape")
         print(f"  {n}x{k}: production {t0:6.1f} us {n * k / t0 / 1e6:5.2f} TB/s", flush=True)
-        for t, cfg, err in res[:6]:
-            print(f"      {t:6.1f} us {n * k / t / 1e6:5.2f} TB/s ({100 * n * k / t / 1e6 / copy_tbs:.0f}% copy) {cfg} "
-                  f"rel err vs production {err:.1e}", flush=True)
+        _top(res, n * k, copy_tbs, "production")
         one = [r for r in res if r[1]["splits"] == 1]
         if one:
             print(f"      best with 1 split (no reduce): {one[0][0]:6.1f} us {one[0][1]}")
@@ -216,20 +218,10 @@ def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (2867
                     if bn == 128 and stages > 4 or bn < 64 and warps == 8:
                         continue
                     cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
-                    try:
-                        out = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **cfg)
-                        err = ((out - ref).abs().max() / ref.abs().max()).item()
-                        t = time_us(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32,
-                                                                     **cfg), reps=30)
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-                        continue
-                    res.append((t, cfg, err))
-        res.sort(key=lambda r: r[0])
+                    _sweep_one(res, cfg, lambda cfg=cfg: G.fp8_block_gemm_triton(
+                        xd, xs, wd, ws, out_dtype=torch.float32, **cfg), ref)
         print(f"  {n}x{k}: default {t0:6.1f} us {n * k / t0 / 1e6:5.2f} TB/s", flush=True)
-        for t, cfg, err in res[:6]:
-            print(f"      {t:6.1f} us {n * k / t / 1e6:5.2f} TB/s ({100 * n * k / t / 1e6 / copy_tbs:.0f}% copy) {cfg} "
-                  f"rel err vs default {err:.1e}", flush=True)
+        _top(res, n * k, copy_tbs, "default")
         for bn in (16, 32, 64, 128):
             b = [r for r in res if r[1]["block_n"] == bn]
             if b:
@@ -249,7 +241,8 @@ def probe_attention(copy_tbs: float) -> None:
     print(f"\n## paged FP8 decode attention {b} x {ctx} (TB/s of KV bytes; target 2.5)")
     base_fold = paged_decode_attention(q, cache, 0, fold_v_scale=True)
     for cfg in [dict(), dict(fold_v_scale=True), dict(fold_v_scale=True, pv_fp16=True),
-                dict(fold_v_scale=True, pv_fp16=True, num_stages=4), dict(fold_v_scale=True, pv_fp16=True, num_stages=6),
+                dict(fold_v_scale=True, pv_fp16=True, num_stages=4),
+                dict(fold_v_scale=True, pv_fp16=True, num_stages=6),
                 dict(fold_v_scale=True, pv_fp16=True, num_splits=8),
                 dict(fold_v_scale=True, pv_fp16=True, block_n=128, num_warps=8),
                 dict(fold_v_scale=True, pv_fp16=True, maxnreg=128, num_splits=16)]:

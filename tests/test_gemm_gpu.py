@@ -170,9 +170,9 @@ def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (200, 1000), (136, 320)])
 def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
     """M = 1 without knobs runs `_fp8_gemv_kernel` (counted): within TOL of the float64 reference with and without
-    bias, in bf16 / fp32 / bf16-rounded fp32 (bit for bit the bf16 output widened), fp32 output within 1e-4 (exact
-    products, fp32 sums; the MMA kernel's bound is TOL), deterministic; N and K tails (200 x 1000) masked; GEMV_M1 = False restores the
-    split-K kernel."""
+    bias, in bf16 / fp32 / bf16-rounded fp32 (bit for bit the bf16 output widened), fp32 output within 1e-4
+    (exact products, fp32 sums; the MMA kernel's bound is TOL), deterministic; N and K tails (200 x 1000)
+    masked; GEMV_M1 = False restores the split-K kernel."""
     n, k = nk
     xd, xs, wd, ws = _block_operands(1, n, k, seed=n + k)
     bias = torch.randn(n, device="cuda")

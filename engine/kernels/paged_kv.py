@@ -358,7 +358,8 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
         num_splits = max(1, min((2 * sms) // (b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
     direct = num_splits == 1 if direct is None else bool(direct)
     if direct and num_splits != 1:
-        raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, got {num_splits}")
+        raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, "
+                         f"got {num_splits}")
     out, hp, osc, mode, store_hp, second = _out_buffers(b, tq, h, dv, dev, out_dtype, out_quant, return_hp, out_round)
     if direct:
         pm = pl = pacc = out  # unused
