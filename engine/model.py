@@ -141,7 +141,7 @@ class Transformer:
         hn = nx.rmsnorm(x, norms[0][0], eps, norms[0][1])
         for i in range(n):
             x, m = self._layer(nx, w, i, x, hn, pos, cos, sin, cache)
-            x, hn = nx.residual_norm(x, m, *norms[i + 1][:1], eps, f"layers.{i}.resid_out", norms[i + 1][1])
+            x, hn = nx.residual_norm(x, m, norms[i + 1][0], eps, f"layers.{i}.resid_out", norms[i + 1][1])
         if cache is not None:
             cache.length += t
         nx.emit("final_norm", hn)
