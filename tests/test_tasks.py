@@ -322,18 +322,24 @@ def test_reused_task_objects_reset_per_run_settings(data_dir):
     assert one["pred"] == again["pred"] and lm.counters["generated_tokens"] == 2 * 3 + 2 * 256 + 2 * 3
 
 
-def test_include_paths_user_task_with_local_json(tmp_path):
-    """A user task folder (include_paths) with lm-eval's own local-file support (dataset_path: json), offline."""
+def _local_mc_task(folder, name: str, n: int, extra: str = "") -> None:
+    """A user task folder: `n` two-choice questions (gold alternating 0 / 1) in data.jsonl and the task YAML
+    `mine.yaml` reading them with lm-eval's local-file support (dataset_path: json); `extra` YAML appended."""
     import json
 
-    rows = [{"q": f"Question {i}: pick", "choices": [" yes", " no"], "gold": i % 2} for i in range(5)]
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "mine.yaml").write_text(
-        "task: my_local_qa\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
+    rows = [{"q": f"Question {i}: pick", "choices": [" yes", " no"], "gold": i % 2} for i in range(n)]
+    (folder / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (folder / "mine.yaml").write_text(
+        f"task: {name}\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'data.jsonl'}\n"
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: gold\n"
         "doc_to_choice: choices\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
-        "metadata: {version: 2.0}\n")
+        + extra)
+
+
+def test_include_paths_user_task_with_local_json(tmp_path):
+    """A user task folder (include_paths) with lm-eval's own local-file support (dataset_path: json), offline."""
+    _local_mc_task(tmp_path, "my_local_qa", 5, extra="metadata: {version: 2.0}\n")
     tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
     ctx = EvalContext(engine=ZeroModel(), reference=ZeroModel(), tokenizer=tok, corpus="", vocab_size=260,
                       batch_size=4, seed=0, cache={}, counters={})
@@ -347,15 +353,7 @@ def test_include_paths_user_task_with_local_json(tmp_path):
 def test_tasks_eval_times_each_task(tmp_path):
     """ctx.timing gets '<task>.eng_s' for every run and '<task>.ref_s' only in the run that computed the
     reference (the next recipe reuses it): what the device results record as the time each task took."""
-    import json
-
-    rows = [{"q": f"Question {i}: pick", "choices": [" yes", " no"], "gold": i % 2} for i in range(4)]
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "mine.yaml").write_text(
-        "task: my_timed_qa\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
-        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: gold\n"
-        "doc_to_choice: choices\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    _local_mc_task(tmp_path, "my_timed_qa", 4)
     tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
     cache: dict = {}
     timings = []

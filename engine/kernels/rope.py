@@ -49,13 +49,12 @@ def _rope_heads(x_ptr, o_ptr, o16_ptr, c1, c2, s1, s2, b, ti, h0, H, T, sxb, sxh
     x2 = tl.load(xrow + HALF + j[None, :], mask=mask, other=0.0)  # (BH, BD) second half
     out1 = x1 * c1[None, :] - x2 * s1[None, :]  # = x1*cos1 + (-x2)*sin1 bit for bit (module docstring)
     out2 = x2 * c2[None, :] + x1 * s2[None, :]
-    orow = o_ptr + ((b.to(tl.int64) * H + hh.to(tl.int64)[:, None]) * T + ti) * (2 * HALF)
-    tl.store(orow + j[None, :], out1, mask=mask)
-    tl.store(orow + HALF + j[None, :], out2, mask=mask)
+    row = ((b.to(tl.int64) * H + hh.to(tl.int64)[:, None]) * T + ti) * (2 * HALF)  # (BH, 1) output offsets
+    tl.store(o_ptr + row + j[None, :], out1, mask=mask)
+    tl.store(o_ptr + row + HALF + j[None, :], out2, mask=mask)
     if BF16_COPY:
-        orow16 = o16_ptr + ((b.to(tl.int64) * H + hh.to(tl.int64)[:, None]) * T + ti) * (2 * HALF)
-        tl.store(orow16 + j[None, :], _round_bf16(out1).to(tl.bfloat16), mask=mask)
-        tl.store(orow16 + HALF + j[None, :], _round_bf16(out2).to(tl.bfloat16), mask=mask)
+        tl.store(o16_ptr + row + j[None, :], _round_bf16(out1).to(tl.bfloat16), mask=mask)
+        tl.store(o16_ptr + row + HALF + j[None, :], _round_bf16(out2).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
