@@ -6,14 +6,20 @@ A Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads / 8 KV heads,
 FFN 14336, vocab 128256) with random weights, built directly on the GPU; with
 `--moe`, a Qwen3-30B-A3B-shaped MoE (48 layers, 128 experts, top-8, FFN 768;
 use `--layers` to shorten it). For each engine and batch size: prefill a
-128-token prompt, then time `steps` decode steps (CUDA events, median per
-step) and report tokens/s, the bytes one step must read (weights in their
-storage format -- of the embedding table only the rows looked up, of a MoE's
-routed experts only those the batch is expected to pick -- + the KV cache so
-far) and the fraction of the HBM copy bandwidth measured in the same run that
-this implies (the roofline). Memory ("weights+KV memory"): the prepared
-weights' whole storage bytes and the KV cache bytes of each path. transformers (bf16, eager, its own KV cache) runs the same shapes in
-the same process as the outside reference point.
+128-token prompt, then time `steps` decode steps (CUDA events: the median of
+steps each followed by a host synchronization, so a step's launch time counts;
+and "pipe", the mean over steps issued back to back, as a serving loop whose
+host enqueues the next step while the GPU runs this one) and report tokens/s,
+the bytes one step must read (weights in their storage format -- of the
+embedding table only the rows looked up, of a MoE's routed experts only those
+the batch is expected to pick -- + the KV cache so far) and the fraction of
+the HBM copy bandwidth measured in the same run that this implies (the
+roofline). Memory ("weights+KV memory"): the prepared weights' whole storage
+bytes and the KV cache bytes of each path. transformers (bf16, eager, its own
+KV cache) runs the same shapes in the same process as the outside reference
+point. `--profile` adds each configuration's top kernels and its critical
+path (`critical_path`); `--pdl both` also times the runtime without
+programmatic dependent launch (rows tagged -nopdl).
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """
@@ -123,8 +129,10 @@ def kv_bytes_per_token(cfg, recipe) -> float:
                                                                 storage_bits(recipe.spec("kv.v"))) / 8
 
 
-def time_decode(step, prefill, steps: int) -> float:
-    """Median seconds per decode step after one prefill (CUDA events)."""
+def time_decode(step, prefill, steps: int) -> tuple[float, float]:
+    """Seconds per decode step after one prefill (CUDA events): (median over `steps` steps each followed by a
+    host synchronization -- the host's launch time of every step is on the clock --, mean over `steps` steps
+    issued back to back -- a serving loop whose host enqueues the next step while the GPU runs this one)."""
     prefill()
     step()  # warm-up: first-call kernel compilation
     torch.cuda.synchronize()
@@ -136,7 +144,13 @@ def time_decode(step, prefill, steps: int) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        step()
+    b.record()
+    torch.cuda.synchronize()
+    return statistics.median(times), a.elapsed_time(b) / 1e3 / steps
 
 
 def profile_steps(step, label: str, n: int = 3) -> str:
@@ -162,16 +176,60 @@ def profile_steps(step, label: str, n: int = 3) -> str:
     count = sum(r[1] for r in rows)
     lines = [f"profile {label}: {total / 1e3:.2f} ms of kernels per step over {count:.0f} kernel launches per step"]
     lines += [f"  {us / 1e3:8.3f} ms {us / max(total, 1e-9):6.1%} {c:7.1f}x  {k[:110]}" for us, c, k in rows[:25]]
+    try:
+        lines += critical_path(prof, n)
+    except Exception as exc:  # noqa: BLE001 -- a diagnostic must not cost the timing row
+        lines.append(f"critical path: unavailable ({type(exc).__name__}: {exc})")
     return "\n".join(lines)
 
 
+def critical_path(prof, n: int) -> list[str]:
+    """Wall time per step attributed to kernels: each kernel is charged from the latest end of the kernels
+    before it to its own end (its launch gap plus the part of its run that nothing else overlapped). The
+    charges sum to the GPU span of the steps; unlike summed kernel durations this stays meaningful when
+    kernels overlap (programmatic dependent launch, where a kernel starts while its predecessor runs)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return []
+    charge: dict[str, list[float]] = {}
+    last = kernels[0].time_range.start
+    for e in kernels:
+        c = charge.setdefault(e.name, [0.0, 0])
+        c[0] += max(0.0, e.time_range.end - last)
+        c[1] += 1
+        last = max(last, e.time_range.end)
+    span = (last - kernels[0].time_range.start) / n
+    top = sorted(charge.items(), key=lambda kv: -kv[1][0])[:12]
+    out = [f"critical path {span / 1e3:.2f} ms per step (launch gaps charged to the kernel after them):"]
+    out += [f"  {c[0] / n / 1e3:8.3f} ms {c[0] / n / max(span, 1e-9):6.1%} {c[1] / n:7.1f}x  {k[:110]}"
+            for k, c in top]
+    return out
+
+
 def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False,
-                 profile: bool = False, small_m: int | None = None) -> dict:
+                 profile: bool = False, small_m: int | None = None, pdl: bool = True) -> dict:
     """Decode timing of the engine's cuda-native path for one recipe and batch size.
 
     runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
     runtime=True: `engine.runtime.PagedRuntime` (paged KV in the recipe's format, CUDA-graph decode).
+    pdl=False: the Triton kernels launch without programmatic dependent launch (engine.kernels.pdl);
+    rows tagged "-nopdl".
     """
+    from engine.kernels import pdl as pdl_mod
+
+    old_pdl = pdl_mod.set_enabled(pdl)
+    try:
+        return _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m,
+                             "" if pdl else "-nopdl")
+    finally:
+        pdl_mod.set_enabled(old_pdl)
+
+
+def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m, pdl_tag) -> dict:
+    """`bench_engine` with the PDL setting in place."""
     from engine.api import Engine
     from engine.model import KVCache
 
@@ -195,21 +253,22 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
             rt._decode(toks[:, -1:], ids, state["start"])
     else:
         def prefill():
-            # room for the warm-up, the timed steps and the profile's 1 + 3 steps
-            state["cache"] = KVCache.empty(cfg, batch, prompt + steps + 8, torch.device("cuda"))
+            # room for the warm-up, the synced and back-to-back timed steps and the profile's 1 + 3 steps
+            state["cache"] = KVCache.empty(cfg, batch, prompt + 2 * steps + 8, torch.device("cuda"))
             model.forward(eng.nx, eng.weights, toks, state["cache"])
 
         def step():
             model.forward(eng.nx, eng.weights, toks[:, -1:], state["cache"])
 
     with torch.no_grad():
-        t = time_decode(step, prefill, steps)
-        prof_text = profile_steps(step, f"{'runtime' if runtime else 'native'}/{recipe} batch {batch}") \
-            if profile else None
+        t, t_pipe = time_decode(step, prefill, steps)
+        mode = f"{'runtime' if runtime else 'native'}{pdl_tag}"
+        prof_text = profile_steps(step, f"{mode}/{recipe} batch {batch}") if profile else None
     wb = weight_bytes(eng)
     kvb = kv_bytes_per_token(cfg, eng.recipe) * batch * (prompt + steps // 2)
     tag = "" if small_m is None else f"@m{small_m}"
-    out = {"engine": f"{'runtime' if runtime else 'native'}{tag}/{recipe}", "batch": batch, "step_s": t, "tok_s": batch / t,
+    out = {"engine": f"{mode}{tag}/{recipe}", "batch": batch, "step_s": t, "step_pipelined_s": t_pipe,
+           "tok_s": batch / t,
            "weight_bytes": wb, "kv_bytes": kvb, "memory_bytes": wb + kvb,
            "bytes_per_step": step_weight_bytes(eng, cfg, batch) + kvb,
            "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")},
@@ -242,7 +301,7 @@ def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dic
         state["pkv"] = out.past_key_values
 
     with torch.no_grad():
-        t = time_decode(step, prefill, steps)
+        t, t_pipe = time_decode(step, prefill, steps)
     wb = sum(p.numel() * p.element_size() for p in model.parameters())
     e, k = hf_cfg.get("num_experts"), hf_cfg.get("num_experts_per_tok")
     touched = 1.0 - (1.0 - k / e) ** batch if e else 1.0
@@ -260,7 +319,8 @@ def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dic
     del model, state
     gc.collect()
     torch.cuda.empty_cache()
-    return {"engine": "transformers/bf16", "batch": batch, "step_s": t, "tok_s": batch / t,
+    return {"engine": "transformers/bf16", "batch": batch, "step_s": t, "step_pipelined_s": t_pipe,
+            "tok_s": batch / t,
             "weight_bytes": wb, "kv_bytes": kvb, "memory_bytes": wb + kvb, "bytes_per_step": step_wb + kvb}
 
 
@@ -279,7 +339,16 @@ def main() -> None:
     ap.add_argument("--small-m", type=int, default=None,
                     help="cuda-native small_m (token count up to which GEMMs run the Triton decode kernel, above: "
                          "cuBLAS); rows are tagged @mN")
+    ap.add_argument("--gemv-prefetch", type=int, default=None,
+                    help="bytes of each weight row the M = 1 GEMV prefetches into L2 (default: GEMV_PREFETCH_BYTES)")
+    ap.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+                    help="programmatic dependent launch of the Triton kernels (engine.kernels.pdl); 'both' also "
+                         "times the paged runtime without it (rows tagged -nopdl)")
     args = ap.parse_args()
+    if args.gemv_prefetch is not None:
+        from engine.kernels import gemm
+
+        gemm.GEMV_PREFETCH_BYTES = args.gemv_prefetch
     from engine.config import ModelConfig
     from engine.model import Transformer
     from evalharness.provenance import hardware_fingerprint
@@ -306,10 +375,13 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for recipe in args.recipes.split(","):
-            for runtime in (False, True) if args.runtime else (False,):
+            modes = [(False, args.pdl != "off")]
+            if args.runtime:
+                modes += [(True, True), (True, False)] if args.pdl == "both" else [(True, args.pdl == "on")]
+            for runtime, pdl in modes:
                 try:
                     rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime, args.profile,
-                                             args.small_m))
+                                             args.small_m, pdl))
                     if rows[-1]["profile"]:
                         say(rows[-1]["profile"])
                 except Exception as exc:  # one failing configuration must not hide the others
@@ -324,10 +396,13 @@ def main() -> None:
                 rows.append(bench_transformers(hf_cfg, batch, args.prompt, args.steps))
             except Exception as exc:
                 say(f"transformers batch {batch}: FAILED {type(exc).__name__}: {exc}")
-    say(f"{'engine':22s} {'batch':>5s} {'ms/step':>9s} {'tok/s':>9s} {'GB/step':>8s} {'roofline':>8s}  notes")
+    say("ms/step: each step host-synchronized (its launch time counted); pipe: steps issued back to back")
+    say(f"{'engine':22s} {'batch':>5s} {'ms/step':>9s} {'tok/s':>9s} {'GB/step':>8s} {'roofline':>8s} "
+        f"{'pipe ms':>8s} {'pipe roof':>9s}  notes")
     by = {(r['engine'], r['batch']): r for r in rows}
     for r in rows:
         r["roofline_frac"] = r["bytes_per_step"] / r["step_s"] / bw
+        r["roofline_pipelined_frac"] = r["bytes_per_step"] / r["step_pipelined_s"] / bw
         note = ""
         mode = r["engine"].split("/")[0]
         bf = by.get((f"{mode}/bf16", r["batch"])) if mode != "transformers" else None
@@ -336,7 +411,8 @@ def main() -> None:
         if "coverage" in r:
             note += f" native {r['coverage']}"
         say(f"{r['engine']:22s} {r['batch']:5d} {r['step_s'] * 1e3:9.2f} {r['tok_s']:9.1f} "
-            f"{r['bytes_per_step'] / 1e9:8.2f} {r['roofline_frac']:8.1%}  {note}")
+            f"{r['bytes_per_step'] / 1e9:8.2f} {r['roofline_frac']:8.1%} {r['step_pipelined_s'] * 1e3:8.2f} "
+            f"{r['roofline_pipelined_frac']:9.1%}  {note}")
     out = os.environ.get("OUT")
     if out:
         name = "bench_e2e_moe" if args.moe else "bench_e2e"

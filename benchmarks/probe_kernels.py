@@ -1,12 +1,15 @@
 """Probes for issue 4's remaining kernel gaps (H200): each prints achieved vs the copy ceiling of the same run.
 
-    python benchmarks/probe_kernels.py [--only gemm,attn,prefill]
+    python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,decode_tune,prefetch,small,pdl_ab]
 
 * gemm: the decode FP8 block GEMM at M = 1 / 16 on the Llama-3-8B decode shapes and the issue's three shapes:
   the production kernel (`fp8_block_linear`) vs a variant that streams the weight through a TMA tensor
   descriptor (`_tma_probe_kernel`, split-K partials summed by torch: its time excludes that reduce and is a
   lower bound for an integrated version).
 * attn: paged FP8 decode attention (8 x 32K) with the fp16 PV path (`pv_fp16`) vs the bf16 PV path.
+* prefetch: the M = 1 GEMV's L2 prefetch bytes per row, with and without programmatic dependent launch.
+* pdl_ab: big-shape quant and decode-attention kernels with and without PDL launches.
+* small: single-row (decode) latency of the quantizing kernels in a CUDA graph; SwiGLU quantization variants.
 * prefill: cuBLAS blockwise 8192^3 through `scaled_mm_blockwise` (scales padded per call) vs `F.scaled_mm`
   on scales padded once, on benchmark-style saturated operands and on small-magnitude (randn) operands.
 """
@@ -24,6 +27,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import fingerprint, fp8_block_operands, time_us  # noqa: E402
+from engine.kernels.pdl import pdl_enter  # noqa: E402
+from engine.kernels.quant import _group_offsets, _quant_groups, _tile_rows  # noqa: E402
 
 DEV = "cuda"
 
@@ -228,6 +233,232 @@ def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (2867
                 print(f"      best block_n={bn}: {b[0][0]:6.1f} us {b[0][1]}")
 
 
+def probe_prefetch(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                            (7168, 16384))) -> None:
+    """The production M = 1 GEMV with 0 .. whole-row L2 prefetch per weight row (`GEMV_PREFETCH_BYTES`), launched
+    with and without PDL (engine.kernels.pdl). Back-to-back launches: with PDL the next launch's prefetch
+    overlaps the previous launch, as in a decode step. Outputs must not change (bit-compared)."""
+    from engine.kernels import gemm as G
+    from engine.kernels import pdl
+
+    print("\n## M = 1 GEMV: L2 prefetch bytes per weight row x PDL (us, TB/s of weight bytes)")
+    old = G.GEMV_PREFETCH_BYTES, pdl.enabled()
+    try:
+        for n, k in shapes:
+            xd, xs, wd, ws = fp8_block_operands(1, n, k)
+            G.GEMV_PREFETCH_BYTES, _ = 0, pdl.set_enabled(False)
+            ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+            cells = []
+            for on in (False, True):
+                pdl.set_enabled(on)
+                for pf in (0, 1024, 2048, 4096, 8192, k):
+                    G.GEMV_PREFETCH_BYTES = pf
+                    out = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+                    same = torch.equal(out, ref)
+                    t = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=50)
+                    cells.append(f"{'pdl' if on else 'seq'} pf={pf}: {t:5.1f} us {n * k / t / 1e6:4.2f} TB/s"
+                                 f"{'' if same else ' BITS DIFFER'}")
+            print(f"  {n}x{k}:\n    " + "\n    ".join(cells), flush=True)
+    finally:
+        G.GEMV_PREFETCH_BYTES = old[0]
+        pdl.set_enabled(old[1])
+
+
+def graph_us(fn, n: int = 64, reps: int = 20) -> float:
+    """Median microseconds per call of fn over CUDA-graph replays of n back-to-back calls (launch gaps included,
+    as in a captured decode step; PDL edges when the kernels are launched with it)."""
+    import statistics
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(ts)
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (a reduction combine function)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _swiglu_probe_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, BM: tl.constexpr,
+                         MODE: tl.constexpr, PDL: tl.constexpr = False):
+    """The SwiGLU+quant kernel's body (1 group per program column) with the quantization swapped by MODE:
+    0 none (store the fp32 activation), 1 the production `_quant_groups`, 2 one NaN-propagating amax reduction
+    instead of amax + NaN count + NaN sum, 3 production on a tile whose masked-out elements are 1.0, not 0.0."""
+    pdl_enter(PDL)
+    row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, 1)
+    off, mask, _ = _group_offsets(row, grp, M, K)
+    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    h = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False) * u
+    if MODE == 0:
+        tl.store(hp_ptr + off, h, mask=mask)
+    elif MODE == 1:
+        _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
+    elif MODE == 3:  # masked-out rows divide 1.0 instead of 0.0 (they are not stored)
+        _quant_groups(tl.where(mask, h, 1.0), row, grp, M, K, n_groups, out_ptr, scale_ptr)
+    else:
+        amax = tl.reduce(tl.abs(h), 1, _max_nan)
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        scale = tl.where(amax == 0.0, 1.0, scale)
+        y = tl.div_rn(h, scale[:, None])
+        tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(scale_ptr + row.to(tl.int64) * n_groups + grp, scale, mask=(row < M) & (grp < n_groups))
+
+
+def _swiglu_probe(g, u, bm, mode, warps=4):
+    from engine.kernels.pdl import launch_opts
+
+    m, k = g.shape
+    out = torch.empty(g.shape, device=g.device, dtype=torch.float8_e4m3fn)
+    sc = torch.empty((m, k // 128), device=g.device, dtype=torch.float32)
+    hp = torch.empty(g.shape, device=g.device, dtype=torch.float32) if mode == 0 else sc
+    _swiglu_probe_kernel[(triton.cdiv(m, bm), k // 128)](g, u, out, sc, hp, m, k, k // 128, BM=bm, MODE=mode,
+                                                          num_warps=warps, **launch_opts(g))
+    return out, sc
+
+
+def _probe_small_attention() -> None:
+    """Batch-1 paged FP8 decode attention at a short context (136 tokens, 32 / 8 heads), as the runtime calls it
+    (bf16 query, bf16-rounded E4M3 1x128 output), over tiles / splits / warps: us per launch in a CUDA graph."""
+    from benchmarks.bench_attention import fill_cache
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+
+    ctx, h, hkv, dh, page = 136, 32, 8, 128, 64
+    cache = PagedKVCache(1, 8, page, hkv, dh, dtype=torch.float8_e4m3fn, max_seqs=1, device=DEV)
+    fill_cache(cache, 1, ctx)
+    q = torch.randn(1, h, 1, dh, device=DEV, dtype=torch.bfloat16)
+    rows = dict(seq_ids=torch.zeros(1, dtype=torch.int32, device=DEV),
+                seq_lens=torch.full((1,), ctx, dtype=torch.int32, device=DEV),
+                q_pos=torch.full((1, 1), ctx - 1, dtype=torch.int32, device=DEV))  # as the runtime passes them
+    print(f"\n## paged FP8 decode attention, batch 1 x {ctx} tokens (us per launch in a CUDA graph)")
+    ref = None
+    for cfg in [dict(), dict(block_n=128), dict(block_n=256), dict(block_n=32), dict(num_splits=2),
+                dict(num_splits=3), dict(num_warps=8), dict(num_stages=2), dict(block_n=128, num_stages=2)]:
+        def run(cfg=cfg):
+            return paged_decode_attention(q, cache, 0, out_quant="e4m3:1x128", out_round="bf16", return_hp=True,
+                                          **rows, **{"num_splits": 1, **cfg})
+        try:
+            hp = run()[2]
+            ref = hp if ref is None else ref
+            err = ((hp - ref).abs().max() / ref.abs().max()).item()
+            print(f"  {str(cfg):40s} {graph_us(run):6.2f} us  rel diff vs default {err:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+            print(f"  {cfg}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+
+
+def probe_pdl_ab(copy_tbs: float) -> None:
+    """Big-shape kernels with and without PDL launches (same code otherwise): act_quant, SwiGLU+quant and
+    RMSNorm+quant at 16384 x 7168 bf16, paged FP8 / bf16 decode attention at 8 x 32K (TB/s)."""
+    from benchmarks.bench_attention import fill_cache
+    from engine.kernels import quant as Q
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+    from engine.kernels.pdl import set_enabled
+
+    x = torch.randn(16384, 7168, device=DEV).to(torch.bfloat16)
+    g, u = torch.randn_like(x), torch.randn_like(x)
+    w = torch.rand(7168, device=DEV) + 0.5
+    qb = x.numel() * 3
+    caches = {}
+    for dt in (torch.float8_e4m3fn, torch.bfloat16):
+        c = PagedKVCache(1, 8 * 32768 // 64, 64, 8, 128, dtype=dt, max_seqs=8, device=DEV)
+        fill_cache(c, 8, 32768)
+        caches[dt] = c
+    q = torch.randn(8, 32, 1, 128, device=DEV, dtype=torch.bfloat16)
+    cases = [("act_quant", lambda: Q.act_quant(x), qb), ("swiglu_quant", lambda: Q.swiglu_quant(g, u), qb * 5 / 3),
+             ("rmsnorm_quant", lambda: Q.rmsnorm_quant(x, w, 1e-5), qb)]
+    cases += [(f"paged decode {'fp8' if dt != torch.bfloat16 else 'bf16'} 8x32K",
+               lambda c=c: paged_decode_attention(q, c, 0), c.kv_bytes(8 * 32768)) for dt, c in caches.items()]
+    print("\n## PDL A/B on big shapes (TB/s)")
+    for name, fn, nbytes in cases:
+        cells = []
+        for on in (False, True, False, True):
+            set_enabled(on)
+            t = time_us(fn, reps=20)
+            cells.append(f"{'pdl' if on else 'seq'} {nbytes / t / 1e6:5.2f}")
+        print(f"  {name:28s} " + "  ".join(cells), flush=True)
+    set_enabled(True)
+
+
+def probe_small(copy_tbs: float) -> None:
+    """Single-row (decode) latency of the quantizing kernels in a CUDA graph (us per launch), against a plain
+    copy launch; SwiGLU with the quantization removed / merged into one reduction; and the big-shape throughput of
+    those SwiGLU variants. Outputs of the variants are bit-compared with production."""
+    from engine.kernels import quant as Q
+    from engine.kernels.pdl import set_enabled
+
+    print("\n## single-row kernel latency in a CUDA graph (us per launch, 64 launches per replay)")
+    g1, u1 = torch.randn(1, 14336, device=DEV), torch.randn(1, 14336, device=DEV)
+    x1, r1 = torch.randn(1, 4096, device=DEV), torch.randn(1, 4096, device=DEV)
+    w1 = torch.rand(4096, device=DEV) + 0.5
+    z1 = torch.zeros(1, 14336, device=DEV)
+    cases = [("copy 16 KB (torch clone)", lambda: x1.clone()),
+             ("act_quant 1x4096", lambda: Q.act_quant(x1)),
+             ("swiglu_quant 1x14336 default", lambda: Q.swiglu_quant(g1, u1)),
+             ("swiglu_quant bm=1", lambda: Q.swiglu_quant(g1, u1, bm=1)),
+             ("swiglu probe bm=1 no quant", lambda: _swiglu_probe(g1, u1, 1, 0)),
+             ("swiglu probe bm=1 prod quant", lambda: _swiglu_probe(g1, u1, 1, 1)),
+             ("swiglu probe bm=1 nan-max quant", lambda: _swiglu_probe(g1, u1, 1, 2)),
+             ("swiglu probe bm=16 prod quant", lambda: _swiglu_probe(g1, u1, 16, 1)),
+             ("swiglu probe bm=16 masked rows 1.0", lambda: _swiglu_probe(g1, u1, 16, 3)),
+             ("swiglu probe bm=1 prod, all-zero input", lambda: _swiglu_probe(z1, z1, 1, 1)),
+             ("rmsnorm_quant 1x4096 default", lambda: Q.rmsnorm_quant(x1, w1, 1e-5)),
+             ("add_rmsnorm_quant 1x4096 default", lambda: Q.add_rmsnorm_quant(x1, r1, w1, 1e-5))]
+    for warps in (4, 8, 16):
+        for gb in (8, 32):
+            cases.append((f"add_rmsnorm_quant gb={gb} w{warps}",
+                          lambda gb=gb, warps=warps: Q.add_rmsnorm_quant(x1, r1, w1, 1e-5, gb=gb, bm=1,
+                                                                          num_warps=warps)))
+    for on in (True, False):
+        set_enabled(on)
+        for name, fn in cases:
+            try:
+                print(f"  {'pdl' if on else 'seq'} {name:40s} {graph_us(fn):6.2f} us", flush=True)
+            except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                print(f"  {name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+    set_enabled(True)
+    _probe_small_attention()
+    print("\n## RMSNorm+quant default at 16384 x 4096 (one row per program): 8 vs 16 warps (TB/s)")
+    xb, wb = torch.randn(16384, 4096, device=DEV, dtype=torch.bfloat16), torch.rand(4096, device=DEV) + 0.5
+    for warps in (8, 16):
+        t = time_us(lambda: Q.rmsnorm_quant(xb, wb, 1e-5, num_warps=warps), reps=20)
+        print(f"  w{warps}: {t:7.1f} us {xb.numel() * 3 / t / 1e6:5.2f} TB/s", flush=True)
+    print("\n## SwiGLU variants at 16384 x 7168 (TB/s: 2 x fp32 in, fp8 + scales out) and their bits")
+    gb_, ub_ = torch.randn(16384, 7168, device=DEV), torch.randn(16384, 7168, device=DEV)
+    gb_[0, :128] = 0.0  # an all-zero group
+    gb_[1, 5] = float("nan")  # a NaN group
+    gb_[2, 7] = float("inf")
+    ref_d, ref_s = _swiglu_probe(gb_, ub_, 16, 1)
+    nbytes = gb_.numel() * (4 + 4 + 1) + ref_s.numel() * 4
+    for bm in (8, 16, 32):
+        for mode in (0, 1, 2):
+            t = time_us(lambda: _swiglu_probe(gb_, ub_, bm, mode), reps=20)
+            same = ""
+            if mode:
+                d, s = _swiglu_probe(gb_, ub_, bm, mode)
+                same = (f" data {'==' if torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8)) else '!='} prod,"
+                        f" scales {'==' if torch.equal(s.nan_to_num(7.0), ref_s.nan_to_num(7.0)) else '!='}")
+            print(f"  bm={bm:2d} mode={mode}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s{same}", flush=True)
+
+
 def probe_attention(copy_tbs: float) -> None:
     from benchmarks.bench_attention import fill_cache
     from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
@@ -298,17 +529,16 @@ def main() -> int:
     copy_tbs = 2 * big.numel() * 2 / t / 1e6
     del big
     print(f"HBM copy ceiling: {copy_tbs:.2f} TB/s")
+    probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
+              "small": probe_small, "prefetch": probe_prefetch, "attn": probe_attention,
+              "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
-    if "gemm" in parts:
-        probe_gemm(copy_tbs)
-    if "gemv" in parts:
-        probe_gemv(copy_tbs)
-    if "decode_tune" in parts:
-        probe_decode_tune(copy_tbs)
-    if "attn" in parts:
-        probe_attention(copy_tbs)
-    if "prefill" in parts:
-        probe_prefill()
+    unknown = [p for p in parts if p not in probes]
+    if unknown:
+        ap.error(f"--only: unknown probe(s) {unknown}; choose from {sorted(probes)}")
+    for name, probe in probes.items():
+        if name in parts:
+            probe(copy_tbs)
     return 0
 
 

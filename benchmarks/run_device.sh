@@ -43,7 +43,8 @@ for part in $parts; do
     tests)
       run gpu_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/test_kernels_gpu.py tests/test_gemm_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py \
-        tests/test_native_gpu.py tests/formats/test_formats_gpu.py tests/test_runtime_gpu.py tests/test_rope_kernel.py ;;
+        tests/test_native_gpu.py tests/formats/test_formats_gpu.py tests/test_runtime_gpu.py tests/test_rope_kernel.py \
+        tests/test_pdl.py ;;
     tests-engine)  # the engine-level GPU tests only (kernels have their own files)
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/test_native_gpu.py tests/test_runtime_gpu.py tests/test_moe_gpu.py tests/formats/test_formats_gpu.py ;;
@@ -53,7 +54,7 @@ for part in $parts; do
       run bench_attention 120 python benchmarks/bench_attention.py
       run bench_moe 120 python benchmarks/bench_moe.py ;;
     e2e)
-      run bench_e2e 300 python benchmarks/bench_e2e.py --batches 1,8,64 --steps 8 --runtime
+      run bench_e2e 300 python benchmarks/bench_e2e.py --batches 1,8,64 --steps 16 --runtime --profile --pdl both
       run bench_e2e_moe 150 python benchmarks/bench_e2e.py --moe --layers 8 --batches 1,8 --steps 6 --no-transformers
       run bench_capture 120 python benchmarks/bench_capture.py --data-dir .carry/data ;;
     suites)

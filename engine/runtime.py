@@ -21,6 +21,7 @@ sweep it and the invariance eval can compare two configurations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +29,12 @@ import torch
 from engine.api import Engine
 
 KV_BLOCK_SIZES = (16, 32, 64, 128, 256)
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,7 +113,8 @@ class _PagedView:
             ids32, lens32, qpos32 = self._kernel_rows(t)
             out = paged_decode_attention(q_in, rt.kv, layer, seq_lens=lens32, seq_ids=ids32,
                                          q_pos=qpos32, sliding_window=window, block_n=rt.attn_block,
-                                         num_splits=rt.num_splits, out_quant="e4m3:1x128" if fused else None,
+                                         num_splits=rt.splits_for(q.shape[0]),
+                                         out_quant="e4m3:1x128" if fused else None,
                                          out_round="bf16" if fused else None, return_hp=fused)
             if fused:
                 data, scale, hp = out
@@ -162,11 +170,26 @@ class PagedRuntime:
             for nx in (engine.nx, getattr(engine, "hp_nx", None)):
                 if hasattr(nx, "use_query_carrier"):
                     nx.use_query_carrier()
-        # a fixed split count keeps the decode kernel's grid the same at every replay of a captured step
-        self.num_splits = max(1, min(64, per_seq * config.kv_block_size // 256)) if config.cuda_graphs else None
+        # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count)
+        self.num_splits: int | None = None
+        self._capacity = per_seq * config.kv_block_size
         self._graphs: dict[int, tuple] = {}
         self._prefixes: dict[tuple[int, ...], set[int]] = {}  # whole-page token prefix -> slots holding it
         self.last_prefix_hit = 0  # tokens reused by the last prefill (prefix cache)
+
+    def splits_for(self, batch: int) -> int | None:
+        """Split count of the paged decode attention for a step of `batch` sequences: `num_splits` when set; with
+        CUDA graphs a count fixed per batch size (every replay of that batch's graph has the same grid): about
+        two programs per SM over the batch's KV heads, at most one split per attention tile of the capacity, at
+        most 64 -- a short context gets several one-tile splits instead of one serial program per KV head (H200,
+        batch 1 x 136 tokens: 3 splits 5.9 us vs 1 split 9.5 us per launch, benchmarks/results/h200-2026-11-29-
+        session6/probe_small3.txt; batch 8 x 32K: 4 splits, the sweep's best); without graphs None (the
+        kernel sizes the split count to each call's context)."""
+        if self.num_splits is not None or not self.config.cuda_graphs:
+            return self.num_splits
+        sms = _sm_count(self.device)
+        tiles = -(-self._capacity // self.attn_block)
+        return max(1, min(64, tiles, (2 * sms) // max(1, batch * self.kv.kv_heads)))
 
     # ----------------------------------------------------------------- steps
     def _forward(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor,

@@ -14,7 +14,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
-    """Random and adversarial inputs (zeros, denormals, exact E4M3 max, NaN, huge, ties)."""
+    """Random and adversarial inputs (zeros, signed zeros, denormals, exact E4M3 max, NaN, inf, huge, ties)."""
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + k)
     x = torch.randn(rows, k, device="cuda", generator=g)
     if kind == "heavy":
@@ -29,6 +29,12 @@ def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
         x[:, 1] = -448.0
     elif kind == "nan":
         x[1, 5] = float("nan")
+    elif kind == "signed_zero":  # -0 keeps its sign through the division (E4M3 0x80); an all -0 group
+        x[:, ::3] = -0.0
+        x[0] = -0.0
+    elif kind == "inf":  # an infinite amax: scale inf, finite elements 0, the infinite ones NaN
+        x[1 % rows, 3] = float("inf")
+        x[0, min(130, k - 1)] = float("-inf")
     elif kind == "ties":
         # values on E4M3 midpoints after scaling by 1: 1 + 1/16 is halfway between 1 and 1.125
         x[:, 0] = 448.0
@@ -36,7 +42,7 @@ def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
     return x
 
 
-KINDS = ["normal", "heavy", "zeros", "denormal", "at_max", "nan", "ties"]
+KINDS = ["normal", "heavy", "zeros", "signed_zero", "denormal", "at_max", "nan", "inf", "ties"]
 SHAPES = [(4, 128), (3, 1000), (5, 7168), (2, 172)]
 
 
@@ -107,6 +113,20 @@ def test_rmsnorm_quant_row_bits_do_not_depend_on_the_row_count(k):
     _, s1, h1 = rmsnorm_quant(x[5:6].contiguous(), w, 1e-5, return_hp=True)
     _, s64, h64 = rmsnorm_quant(x, w, 1e-5, return_hp=True)
     assert torch.equal(h1, h64[5:6]) and torch.equal(s1, s64[5:6])
+
+
+def test_act_and_swiglu_single_row_default_tile_same_bits():
+    """A single row takes a 1-row tile by default (`_default_bm`): its bits are those it gets inside a batch."""
+    from engine.kernels.quant import act_quant, swiglu_quant
+
+    g = _inputs(33, 14336, "zeros").contiguous()
+    u = _inputs(33, 14336, "heavy").contiguous()
+    d1, s1, h1 = swiglu_quant(g[7:8].contiguous(), u[7:8].contiguous(), return_hp=True)
+    d, s, h = swiglu_quant(g, u, return_hp=True)
+    assert torch.equal(_bits(d1), _bits(d[7:8])) and torch.equal(s1, s[7:8]) and torch.equal(h1, h[7:8])
+    a1, as1 = act_quant(u[3:4].contiguous())
+    a, as_ = act_quant(u)
+    assert torch.equal(_bits(a1), _bits(a[3:4])) and torch.equal(as1, as_[3:4])
 
 
 @pytest.mark.parametrize("shape", SHAPES)

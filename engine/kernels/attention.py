@@ -75,8 +75,13 @@ def _e4m3_scale(o):
 
 @triton.jit
 def _store_e4m3(o, scale, mask, data_off, out_ptr):
-    """Store RNE(o / scale) as E4M3 (scale broadcastable to o); |o / scale| <= 448 for dynamic scales."""
-    y = tl.div_rn(o, scale)
+    """Store RNE(o / scale) as E4M3 (scale broadcastable to o); |o / scale| <= 448 for dynamic scales.
+
+    Masked-out elements divide 1.0, not their value (they are not stored): the division's fast path hands a
+    zero dividend to its slow path, and a decode tile's padding rows (12 of 16 for 4 query heads per KV head)
+    are zeros -- a single-row tile of zeros took 2.5 us longer to quantize on the H200
+    (benchmarks/results/h200-2026-11-29-session6/probe_small*.txt)."""
+    y = tl.div_rn(tl.where(mask, o, 1.0), scale)
     tl.store(out_ptr + data_off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
 
 

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant import _round_bf16
+from engine.kernels.pdl import l2_prefetch, launch_opts, pdl_enter
 
 GROUP = 128  # edge of the 1x128 / 128x128 scale blocks
 MX_CHUNK = 128  # K columns per MX kernel step; prepared MX weights are padded to a multiple of it
@@ -104,7 +105,8 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                            M, N, K, groups_per_split, n_splits,
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False):
+                           HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
@@ -114,6 +116,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     FUSED_REDUCE (split-K): the last split to finish a tile (per-tile arrival counter cnt_ptr, reset
     to 0 by that split) sums all partials in split order itself -- the same bits as
     `_splitk_reduce_kernel`, without its launch."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -164,13 +167,21 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
 @triton.jit(do_not_specialize=["N", "stride_xsg", "stride_wsn", "stride_wsg"])
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stride_wn, stride_xsg, stride_wsn,
                      stride_wsg, BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ROUND_BF16: tl.constexpr):
+                     ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False, PF_BYTES: tl.constexpr = 0):
     """M = 1 on CUDA cores, grid (cdiv(N, BN),): a program streams BN whole weight rows, GK 128-groups per step,
     straight into registers (16-byte loads; no shared memory, no MMA, no split-K and so no reduce). Per
     group: the 128 exact E4M3 x E4M3 products summed in fp32, times w_scale * x_scale, accumulated in fp32
     -- the block-scaled math of `_fp8_block_gemm_kernel` in another summation order. BN divides 128 (one
-    weight-scale row per program); per-tensor scales use stride 0."""
+    weight-scale row per program); per-tensor scales use stride 0.
+
+    PF_BYTES > 0 (with PDL): before waiting for the previous kernel, prefetch the first PF_BYTES of each of
+    the program's weight rows into L2 (weights are constant within a step; engine.kernels.pdl)."""
     pid = tl.program_id(0)
+    if PF_BYTES > 0:
+        for r in tl.static_range(BN):
+            if pid * BN + r < N:
+                l2_prefetch(w_ptr + (pid * BN + r).to(tl.int64) * stride_wn, PF_BYTES)
+    pdl_enter(PDL)
     rows = pid * BN + tl.arange(0, BN)
     r_ok = rows < N
     offs = tl.arange(0, GK * 128)
@@ -281,8 +292,9 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
                           HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK: tl.constexpr,
-                          ROUND_BF16: tl.constexpr = False):
+                          ROUND_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """out = (sum over s = 0..S-1, in that order, of part[s]) * tensor_scale + bias, cast to out's dtype."""
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -313,6 +325,11 @@ FUSED_REDUCE_DEFAULT = True
 # session5/probe_gemv.txt: 4096x4096 11.2 vs 13.8 us, 4096x14336 24.2 vs 26.7 us). Its bits differ from the
 # M >= 2 kernel's (summation order), as cuBLAS's above `small_m` do.
 GEMV_M1 = True
+# Bytes of each weight row the GEMV prefetches into L2 at its start, before its PDL wait (engine.kernels.pdl).
+# H200 (benchmarks/results/h200-2026-11-29-session6/probe_prefetch.txt, e2e_pf*.log): 1 KB (one loop step) is
+# 1-2% faster than none in isolation on 4 of 5 decode shapes and equal end to end; 4 KB and more are slower
+# (3.61 vs 3.24 ms per Llama-3-8B batch-1 step: the prefetch competes with the loop's own loads).
+GEMV_PREFETCH_BYTES = 1024
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
@@ -382,7 +399,8 @@ def _reduce(part: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
     block = 1024
     _splitk_reduce_kernel[(_cdiv(m * n, block),)](
         part, out, bias if bias is not None else out, ts if ts is not None else part, m * n, n, s,
-        HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, ROUND_BF16=round_bf16, num_warps=4)
+        HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, ROUND_BF16=round_bf16, num_warps=4,
+        **launch_opts(part))
 
 
 def _bad(msg: str) -> ValueError:
@@ -446,15 +464,20 @@ def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str,
 
 def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
-                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4) -> None:
+                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
+                 prefetch: Optional[int] = None) -> None:
     """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
-    H200 sweep (benchmarks/results/h200-2026-11-29-session5/probe_gemv.txt): 8 rows x 8 groups per step."""
+    H200 sweep (benchmarks/results/h200-2026-11-29-session5/probe_gemv.txt): 8 rows x 8 groups per step.
+    `prefetch`: L2-prefetched bytes per weight row (None: `GEMV_PREFETCH_BYTES`; 0 or unaligned rows: none)."""
     n, k = w.shape
     gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
+    pf = min(GEMV_PREFETCH_BYTES if prefetch is None else prefetch, k) // 16 * 16
+    if not (w.is_cuda and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0):
+        pf = 0
     _fp8_gemv_kernel[(_cdiv(n, block_n),)](
         x, xs, w, ws, out, bias if bias is not None else out, n, k, w.stride(0), xs_strides[1], *ws_strides,
         BN=block_n, GK=gk, STAGES=num_stages, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
-        num_warps=num_warps)
+        PF_BYTES=pf, num_warps=num_warps, **launch_opts(x))
 
 
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
@@ -497,10 +520,10 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 FUSED_REDUCE=fused, ROUND_BF16=round_bf16)
     explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
     if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit:
-        _fp8_block_gemm_tuned[grid](*args, **meta)
+        _fp8_block_gemm_tuned[grid](*args, **meta, **launch_opts(x))
     else:
         _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
-                                     num_stages=cfg.get("num_stages") or stages)
+                                     num_stages=cfg.get("num_stages") or stages, **launch_opts(x))
     if splits > 1 and not fused:
         _reduce(part, out, bias, None, round_bf16)
     return out

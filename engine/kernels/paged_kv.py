@@ -32,6 +32,7 @@ from engine.kernels.attention import (LOG2E, _check_dtype, _compute_types, _e4m3
                                       _softmax_step, _store_e4m3, _store_e4m3_groups, _store_output, _strides,
                                       dequantize)
 from engine.kernels.paged_cache import PagedKVCache, _to_device
+from engine.kernels.pdl import launch_opts, pdl_enter
 
 __all__ = ["PagedKVCache", "kv_write", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -50,7 +51,7 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
                          COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr,
                          PAGE_TILE: tl.constexpr, QK_F16: tl.constexpr, V_ON_P: tl.constexpr,
                          PV_F16: tl.constexpr = False, DIRECT: tl.constexpr = False,
-                         OUT_MODE: tl.constexpr = 0, STORE_HP: tl.constexpr = False):
+                         OUT_MODE: tl.constexpr = 0, STORE_HP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (batch*kv_heads, row blocks, splits). Rows r = g*TQ + i pack the GROUP query heads sharing one KV
     head (times tq queries) into one tile; the split takes an equal share (whole BN tiles, BN-aligned) of the
     keys [lo, hi) its rows can see and writes partial (max, sum, unnormalised acc) for the reduce kernel.
@@ -68,6 +69,7 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     power of two taken back out of the fp32 result.
     DIRECT (NSPLIT == 1): the program writes the final output itself (acc / l, stored as
     `_decode_reduce_kernel` would: the same bits, one launch fewer) instead of partials."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
@@ -164,9 +166,10 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
 @triton.jit
 def _decode_reduce_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr, H, TQ, NSPLIT,
                           S_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, OUT_MODE: tl.constexpr,
-                          STORE_HP: tl.constexpr):
+                          STORE_HP: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (batch*heads*tq,): merge the splits of one query row: out = sum_s w_s acc_s / sum_s w_s l_s with
     w_s = exp2(m_s - max_s m_s); no visible key anywhere gives NaN (0 / 0)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)  # = (b*H + h)*TQ + i
     i = pid % TQ
     bh = pid // TQ
@@ -196,12 +199,14 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
                      sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
                      PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
                      GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
-                     K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False):
+                     K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """Grid (batch, token blocks, kv_heads): quantize BT tokens of one (row, kv_head) and scatter them to
     their pages. K: the head's scale from kamax (e4m3:head) or one scale per token (e4m3:token); V: one
     scale per 128-group (GW-wide groups, NG per padded row, VG real ones), or with V_TOKEN one scale per
     token written to all VG group slots. Non-FP8 caches store the cast values. UPDATE_LEN: program (b, 0, 0)
     raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(2)
     tok = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -273,7 +278,8 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
         *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
-        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, num_warps=4)
+        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, num_warps=4,
+        **launch_opts(k))
 
 
 def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
@@ -385,14 +391,15 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                   PAGE_TILE=block_n <= cache.block_size, QK_F16=f16_ok and (qk_fp16 is None or bool(qk_fp16)),
                   V_ON_P=fold, PV_F16=fold and (pv_fp16 is None or bool(pv_fp16)),
                   DIRECT=direct, OUT_MODE=mode, STORE_HP=store_hp,
-                  num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+                  num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+                  **launch_opts(q))
     _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
             f"paged_decode_attention(block_n={block_n})")
     if not direct:
         _launch(_decode_reduce_kernel, (b * h * tq,),
                 (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
                 dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode,
-                     STORE_HP=store_hp, num_warps=4), "paged decode reduce")
+                     STORE_HP=store_hp, num_warps=4, **launch_opts(q)), "paged decode reduce")
     return _finish(out, hp, osc, out_quant, return_hp, second)
 
 

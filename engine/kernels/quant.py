@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import launch_opts, pdl_enter
+
 GROUP = 128
 E4M3_MAX = 448.0
 
@@ -90,8 +92,10 @@ def _norm_quant_store(x, rstd, row, grp, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K
 
 # ---------------------------------------------------------------------- kernels
 @triton.jit
-def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr, GB: tl.constexpr):
+def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr, GB: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Grid (row blocks, group blocks): plain 1x128 quantization of a (BM rows x GB groups) tile."""
+    pdl_enter(PDL)
     row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
     off, mask, _ = _group_offsets(row, grp, M, K)
     h = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -137,7 +141,8 @@ def _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES: tl.constexpr, RES
 @triton.jit
 def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
                           BM: tl.constexpr, GB: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
-                          STORE_HP: tl.constexpr, HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False):
+                          STORE_HP: tl.constexpr, HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
     """Grid (row blocks,): BM rows per program, walked in (BM*GB, 128) tiles (GB groups of each row).
 
     ONE_PASS (GB*128 >= K): the whole rows stay in registers (x read once). Otherwise pass 1 sums x^2
@@ -148,6 +153,7 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rou
 
     HAS_RES: the normed rows are x + res (residual add, rounded to bf16 with RES_BF16), also written to
     rout_ptr (fp32): the residual stream update and the norm that reads it in one pass."""
+    pdl_enter(PDL)
     row, sub = _tile_rows(tl.program_id(0), 0, BM, GB)
     if ONE_PASS:
         off, mask, _ = _group_offsets(row, sub, M, K)
@@ -198,11 +204,13 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M
 
 @triton.jit
 def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups,
-                         BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr):
+                         BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant.
 
     FAST_SILU: the silu division is the approximate full-range one (div.full.f32, <= 2 ulp; tl.exp is
     already approximate) instead of IEEE; the quantization's divisions stay IEEE (bit-exactness)."""
+    pdl_enter(PDL)
     row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
     off, mask, _ = _group_offsets(row, grp, M, K)
     g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -235,6 +243,14 @@ def _pow2_knob(name: str, v: int, hi: int) -> int:
     return v
 
 
+def _default_bm(bm: int, rows: int) -> int:
+    """The default rows per program, capped at the call's rows rounded up to a power of two: a decode step's
+    single row in a 16- or 32-row tile wastes the masked rows' work (H200: SwiGLU+quant of 1 x 14336 3.9 us at
+    16 rows per program, 1.4 us at 1; benchmarks/results/h200-2026-11-29-session6/probe_small.txt). Tilings
+    never change act_quant / SwiGLU bits."""
+    return min(bm, triton.next_power_of_2(max(rows, 1)))
+
+
 def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool):
     """Allocate FP8 data, scales and (optionally) the fp32 pre-quant buffer."""
     out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
@@ -261,14 +277,14 @@ def act_quant(x: torch.Tensor, *, bm: int | None = None, gb: int | None = None,
     Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`;
     None takes `ACT_QUANT_DEFAULTS`. Reference: `act_quant_reference`."""
     rows, k, groups = _launch_shape(x)
-    bm = _pow2_knob("bm", ACT_QUANT_DEFAULTS["bm"] if bm is None else bm, 256)
+    bm = _pow2_knob("bm", _default_bm(ACT_QUANT_DEFAULTS["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", ACT_QUANT_DEFAULTS["gb"] if gb is None else gb, 64)
     out, scales, _ = _outputs(x, rows, k, groups, False)
     if rows == 0 or k == 0:
         return out, scales
     _act_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
         x, out, scales, rows, k, groups, BM=bm, GB=gb,
-        num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"])
+        num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"], **launch_opts(x))
     return out, scales
 
 
@@ -347,9 +363,10 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
     """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual."""
     d = RMSNORM_DEFAULTS
     small = (groups <= SMALL_ROW_GROUPS and single_pass is None and mode is None and bm is None and gb is None)
-    if small:  # 8 warps: the single row's loads, reduction and stores spread over more threads (latency-bound)
+    if small:  # 16 warps: the single row's loads, reduction and stores spread over more threads (latency-bound;
+        # H200 add+RMSNorm+quant of 1 x 4096 in a CUDA graph: 2.8 us vs 3.4 at 8 warps, probe_small.txt)
         mode, bm, gb = "chunked", 1, triton.next_power_of_2(groups)
-        num_warps = num_warps or 8
+        num_warps = num_warps or 16
     mode = mode or d["mode"]
     bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 64)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 128)
@@ -378,7 +395,7 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
         _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, num_warps=warps)
+            RES_BF16=round_bf16, num_warps=warps, **launch_opts(x))
     else:
         raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
 
@@ -412,14 +429,14 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
                          "and be contiguous")
     rows, k, groups = _launch_shape(gate, "gate")
     d = SWIGLU_DEFAULTS
-    bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 256)
+    bm = _pow2_knob("bm", _default_bm(d["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 64)
     out, scales, hp = _outputs(gate, rows, k, groups, return_hp)
     if rows and k:
         _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
             gate, up, out, scales, hp, rows, k, groups, BM=bm, GB=gb,
             FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
-            num_warps=num_warps or d["num_warps"])
+            num_warps=num_warps or d["num_warps"], **launch_opts(gate))
     return (out, scales, hp) if return_hp else (out, scales)
 
 

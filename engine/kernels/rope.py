@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import launch_opts, pdl_enter
 from engine.kernels.quant import _round_bf16
 
 
@@ -60,12 +61,14 @@ def _rope_heads(x_ptr, o_ptr, o16_ptr, c1, c2, s1, s2, b, ti, h0, H, T, sxb, sxh
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, q16_ptr, cos_ptr, sin_ptr, T, H, HKV, n_qblocks,
                     sqb, sqh, sqt, skb, skh, skt, scb, sct, ssb, sst,
-                    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, Q_BF16: tl.constexpr = False):
+                    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, Q_BF16: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Grid (batch * t, q head blocks + k head blocks): one program rotates BH heads of one position.
 
     cos/sin rows are read once per program (strides (scb, sct) / (ssb, sst); 0 where broadcast) and
     shared by its heads; program column < n_qblocks works on q, the rest on k. Q_BF16: q's output is also
     stored rounded to bf16 at q16_ptr (the attention kernel's query carrier, without a cast launch)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid // T
@@ -163,7 +166,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q, k, q_out, k_out, q16 if q_bf16 else q_out, cos_b, sin_b, t, h, hkv, n_qblocks,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos_b.stride(0), cos_b.stride(2), sin_b.stride(0), sin_b.stride(2),
-        HALF=half, BH=block_h, BD=bd, Q_BF16=q_bf16, num_warps=num_warps, enable_fp_fusion=False)
+        HALF=half, BH=block_h, BD=bd, Q_BF16=q_bf16, num_warps=num_warps, enable_fp_fusion=False,
+        **launch_opts(q_out))
     return (q_out, k_out, q16) if q_bf16 else (q_out, k_out)
 
 
