@@ -168,8 +168,9 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stride_wn, stride_xsg, stride_wsn,
                      stride_wsg, BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False, PF_BYTES: tl.constexpr = 0):
-    """M = 1 on CUDA cores, grid (cdiv(N, BN),): a program streams BN whole weight rows, GK 128-groups per step,
-    straight into registers (16-byte loads; no shared memory, no MMA, no split-K and so no reduce). Per
+    """M = 1 on CUDA cores, grid (cdiv(N, BN),): a program streams BN whole weight rows, GK 128-groups per step
+    (16-byte cp.async loads, L2 only, pipelined STAGES deep through shared memory; no MMA, no split-K and so
+    no reduce). Per
     group: the 128 exact E4M3 x E4M3 products summed in fp32, times w_scale * x_scale, accumulated in fp32
     -- the block-scaled math of `_fp8_block_gemm_kernel` in another summation order. BN divides 128 (one
     weight-scale row per program); per-tensor scales use stride 0.
