@@ -29,6 +29,8 @@ import torch
 from engine.api import Engine
 
 KV_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device."""

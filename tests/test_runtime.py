@@ -67,6 +67,27 @@ def test_kv_block_size_does_not_change_numerics(tiny):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_decode_split_count_policy(tiny, monkeypatch):
+    """Without CUDA graphs the paged kernel sizes its split count per call (None); an explicit `num_splits` wins;
+    with graphs (the policy evaluated for a 132-SM device) the count is fixed per batch size: about two
+    programs per SM over the batch's KV heads, at most one split per attention tile of the capacity."""
+    import dataclasses
+
+    import engine.runtime as R
+
+    rt = PagedRuntime(Engine(tiny, "fp32"), ServingConfig(kv_block_size=16, max_batch=4, max_tokens=1024))
+    assert rt.splits_for(1) is None
+    rt.num_splits = 5
+    assert rt.splits_for(1) == 5 and rt.splits_for(64) == 5
+    rt.num_splits = None
+    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, cuda_graphs=True))
+    monkeypatch.setattr(R, "_sm_count", lambda device: 132)
+    hkv, tiles = rt.kv.kv_heads, 1024 // rt.attn_block
+    for b in (1, 2, 4, 64, 10_000):
+        assert rt.splits_for(b) == max(1, min(64, tiles, 264 // (b * hkv)))
+    assert rt.splits_for(10_000) == 1 and rt.splits_for(1) == min(64, tiles, 264 // hkv) > 1
+
+
 def test_score_is_the_prefill_logits(tiny):
     """`score` (paged prefill of whole rows) equals the engine's full-sequence logits under fp32."""
     eng = Engine(tiny, "fp32")

@@ -38,8 +38,9 @@ def test_cuda_graph_decode_is_bitwise_eager(zoo, recipe):
     eng = Engine(zoo, recipe, backend="cuda-native")
     eager = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64))
     graph = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64, cuda_graphs=True))
-    eager.num_splits = graph.splits_for(len(PROMPTS))  # the graph's split-K grid: the only knob that could change
-    assert eager.num_splits is not None and eager.num_splits >= 1  # the sum order
+    # the graph's split-K grid for every batch size (prefill and decode): the only knob that could change the sum order
+    eager.splits_for = graph.splits_for
+    assert graph.splits_for(len(PROMPTS)) >= 1 and graph.splits_for(1) >= 1
     a_out, a_logits = eager.generate(PROMPTS, 12, return_logits=True)
     b_out, b_logits = graph.generate(PROMPTS, 12, return_logits=True)
     assert a_out == b_out
