@@ -172,7 +172,8 @@ class PagedRuntime:
             for nx in (engine.nx, getattr(engine, "hp_nx", None)):
                 if hasattr(nx, "use_query_carrier"):
                     nx.use_query_carrier()
-        # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count)
+        # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count;
+        # before session 6 graphs used capacity / 256 and eager steps the kernel's per-call choice)
         self.num_splits: int | None = None
         self._capacity = per_seq * config.kv_block_size
         self._graphs: dict[int, tuple] = {}
@@ -180,14 +181,14 @@ class PagedRuntime:
         self.last_prefix_hit = 0  # tokens reused by the last prefill (prefix cache)
 
     def splits_for(self, batch: int) -> int | None:
-        """Split count of the paged decode attention for a step of `batch` sequences: `num_splits` when set; with
-        CUDA graphs a count fixed per batch size (every replay of that batch's graph has the same grid): about
-        two programs per SM over the batch's KV heads, at most one split per attention tile of the capacity, at
-        most 64 -- a short context gets several one-tile splits instead of one serial program per KV head (H200,
-        batch 1 x 136 tokens: 3 splits 5.9 us vs 1 split 9.5 us per launch, benchmarks/results/h200-2026-11-29-
-        session6/probe_small3.txt; batch 8 x 32K: 4 splits, the sweep's best); without graphs None (the
-        kernel sizes the split count to each call's context)."""
-        if self.num_splits is not None or not self.config.cuda_graphs:
+        """Split count of the paged decode attention for a call on `batch` sequences: `num_splits` when set; on
+        CUDA a count fixed per batch size, eager and CUDA-graph steps alike (every replay of a batch's graph has
+        the same grid, and gives the eager step's bits): about two programs per SM over the batch's KV heads, at
+        most one split per attention tile of the capacity, at most 64 -- a short context gets several one-tile
+        splits instead of one serial program per KV head (H200, batch 1 x 136 tokens: 3 splits 5.9 us vs 1
+        split 9.5 us per launch, benchmarks/results/h200-2026-11-29-session6/probe_small3.txt; batch 8 x 32K:
+        4 splits, the sweep's best). None off CUDA (the emulated attention has no splits)."""
+        if self.num_splits is not None or self.device.type != "cuda":
             return self.num_splits
         sms = _sm_count(self.device)
         tiles = -(-self._capacity // self.attn_block)

@@ -68,11 +68,9 @@ def test_kv_block_size_does_not_change_numerics(tiny):
 
 
 def test_decode_split_count_policy(tiny, monkeypatch):
-    """Without CUDA graphs the paged kernel sizes its split count per call (None); an explicit `num_splits` wins;
-    with graphs (the policy evaluated for a 132-SM device) the count is fixed per batch size: about two
-    programs per SM over the batch's KV heads, at most one split per attention tile of the capacity."""
-    import dataclasses
-
+    """Off CUDA there are no splits (None); an explicit `num_splits` wins; on CUDA (the policy evaluated for a
+    132-SM device) the count is fixed per batch size, eager and CUDA graphs alike: about two programs per SM
+    over the batch's KV heads, at most one split per attention tile of the capacity."""
     import engine.runtime as R
 
     rt = PagedRuntime(Engine(tiny, "fp32"), ServingConfig(kv_block_size=16, max_batch=4, max_tokens=1024))
@@ -80,7 +78,7 @@ def test_decode_split_count_policy(tiny, monkeypatch):
     rt.num_splits = 5
     assert rt.splits_for(1) == 5 and rt.splits_for(64) == 5
     rt.num_splits = None
-    monkeypatch.setattr(rt, "config", dataclasses.replace(rt.config, cuda_graphs=True))
+    monkeypatch.setattr(rt, "device", torch.device("cuda"))
     monkeypatch.setattr(R, "_sm_count", lambda device: 132)
     hkv, tiles = rt.kv.kv_heads, 1024 // rt.attn_block
     for b in (1, 2, 4, 64, 10_000):
