@@ -182,17 +182,15 @@ class PagedRuntime:
 
     def splits_for(self, batch: int) -> int | None:
         """Split count of the paged decode attention for a call on `batch` sequences: `num_splits` when set; on
-        CUDA a count fixed per batch size, eager and CUDA-graph steps alike (every replay of a batch's graph has
-        the same grid, and gives the eager step's bits): about two programs per SM over the batch's KV heads, at
-        most one split per attention tile of the capacity, at most 64 -- a short context gets several one-tile
-        splits instead of one serial program per KV head (H200, batch 1 x 136 tokens: 3 splits 5.9 us vs 1
-        split 9.5 us per launch, benchmarks/results/h200-2026-11-29-session6/probe_small3.txt; batch 8 x 32K:
-        4 splits, the sweep's best). None off CUDA (the emulated attention has no splits)."""
+        CUDA the kernel's default policy (`decode_splits`) on the cache's capacity instead of each call's
+        context, at most 64: a count fixed per batch size, eager and CUDA-graph steps alike (every replay of a
+        batch's graph has the same grid, and gives the eager step's bits). None off CUDA (the emulated attention
+        has no splits)."""
         if self.num_splits is not None or self.device.type != "cuda":
             return self.num_splits
-        sms = _sm_count(self.device)
-        tiles = -(-self._capacity // self.attn_block)
-        return max(1, min(64, tiles, (2 * sms) // max(1, batch * self.kv.kv_heads)))
+        from engine.kernels.paged_kv import decode_splits
+
+        return decode_splits(_sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64)
 
     # ----------------------------------------------------------------- steps
     def _forward(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor,

@@ -305,6 +305,18 @@ def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos)
     return ids.contiguous(), lens.contiguous(), qp
 
 
+def decode_splits(sms: int, batch: int, kv_heads: int, context: int, block_n: int, row_blocks: int = 1,
+                  cap: int = 128) -> int:
+    """Default split count of the paged decode kernel: about 2 programs per SM over batch x kv_heads x
+    row_blocks, rounded down (a ceiling spills a few programs into a second wave), at most one split per
+    block_n tile of `context`, at most `cap`. The H200 sweep (benchmarks/results/h200-2026-11-29-session3/
+    tune_attention.txt) has 4 splits of batch 8 x 8 KV heads at 1.92 TB/s vs 1.90 for 8 and 1.74 for 48: with
+    5 pipeline stages fewer, longer programs win; a short context gets several one-tile splits instead of one
+    serial program per KV head (batch 1 x 136 tokens: 3 splits 5.9 us vs 1 split 9.5 us per launch,
+    benchmarks/results/h200-2026-11-29-session6/probe_small3.txt)."""
+    return max(1, min((2 * sms) // max(1, batch * kv_heads * row_blocks), triton.cdiv(context, block_n), cap))
+
+
 def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq_lens=None, *, seq_ids=None,
                            q_pos=None, scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            q_scale=None, block_n: int = 64, num_splits: Optional[int] = None,
@@ -357,11 +369,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     n_mb = triton.cdiv(group * tq, bm)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        ctx = cache.context_bound(seq_ids, b)
-        # ~2 programs per SM, rounded down (a ceiling spills a few programs into a second wave); the H200 sweep
-        # (benchmarks/results/h200-2026-11-29-session3/tune_attention.txt) has 4 splits of batch 8 x 8 KV heads
-        # at 1.92 TB/s vs 1.90 for 8 and 1.74 for 48: with 5 pipeline stages fewer, longer programs win
-        num_splits = max(1, min((2 * sms) // (b * hkv * n_mb), triton.cdiv(ctx, block_n), 128))
+        num_splits = decode_splits(sms, b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb)
     direct = num_splits == 1 if direct is None else bool(direct)
     if direct and num_splits != 1:
         raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, "
