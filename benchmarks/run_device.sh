@@ -2,17 +2,20 @@
 # One batched GPU session: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
 # Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
 # carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
-#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [pack]
+#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [parallel] [pack]
 # Each part writes its log under $OUT; a failing part never stops the next one.
 set -u
 OUT=${OUT:-benchmarks/results/device-$(date +%F)}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD EVALHARNESS_DATA_DIR=$PWD/.carry/data
+export PYTHONPATH=$PWD
 parts=${*:-tests bench e2e suites}
 if [ -f .carry/data.tar.xz ]; then  # python's tarfile: no dependence on an xz binary there
   python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('.carry/data', filter='data')" ||
     echo "data: unpacking .carry/data.tar.xz failed"
 fi
+# the data dir only when it came along (a run without the carry uses the built-in models; a dangling
+# EVALHARNESS_DATA_DIR is an error by design)
+if [ -d .carry/data ]; then export EVALHARNESS_DATA_DIR=$PWD/.carry/data; else unset EVALHARNESS_DATA_DIR; fi
 # The `tasks` part's sizes (issue 6: every eval of suites/evals.yaml, at device sizes, on both CUDA backends).
 # Full task sets where they are small (arc_challenge 1172, piqa 1838, winogrande 1267 documents); the large
 # ones limited (hellaswag 1000 of 10042, arc_easy 1000 of 2376, lambada 1000 of 5153) and GSM8K, whose
@@ -48,6 +51,10 @@ for part in $parts; do
     tests-engine)  # the engine-level GPU tests only (kernels have their own files)
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/test_native_gpu.py tests/test_runtime_gpu.py tests/test_moe_gpu.py tests/formats/test_formats_gpu.py ;;
+    parallel)  # issue 9 on >= 2 GPUs: the TP/EP tests (gloo and NCCL), then suites/parallel.yaml under torchrun + NCCL
+      run parallel_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s tests/test_parallel.py
+      run suite_parallel 300 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
+        --master-port 29533 -m evalharness.cli run suites/parallel.yaml --device cuda --out "$OUT/parallel" --no-tracking ;;
     bench)
       run bench_quant 120 python benchmarks/bench_quant_kernels.py --out "$OUT/bench_quant.txt"
       run bench_gemm 150 python benchmarks/bench_gemm.py
