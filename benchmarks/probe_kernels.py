@@ -1,6 +1,6 @@
 """Probes for issue 4's remaining kernel gaps (H200): each prints achieved vs the copy ceiling of the same run.
 
-    python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,decode_tune,prefetch,small,pdl_ab]
+    python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,decode_tune,prefetch,small,pdl_ab,rms]
 
 * gemm: the decode FP8 block GEMM at M = 1 / 16 on the Llama-3-8B decode shapes and the issue's three shapes:
   the production kernel (`fp8_block_linear`) vs a variant that streams the weight through a TMA tensor
@@ -8,6 +8,8 @@
   lower bound for an integrated version).
 * attn: paged FP8 decode attention (8 x 32K) with the fp16 PV path (`pv_fp16`) vs the bf16 PV path.
 * prefetch: the M = 1 GEMV's L2 prefetch bytes per row, with and without programmatic dependent launch.
+* rms: RMSNorm+quant (persistent) with the fast division's check on / off, IEEE division, weight held or
+  reloaded, over warps / programs per SM / stages.
 * pdl_ab: big-shape quant and decode-attention kernels with and without PDL launches.
 * small: single-row (decode) latency of the quantizing kernels in a CUDA graph; SwiGLU quantization variants.
 * prefill: cuBLAS blockwise 8192^3 through `scaled_mm_blockwise` (scales padded per call) vs `F.scaled_mm`
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import fingerprint, fp8_block_operands, time_us  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
-from engine.kernels.quant import _group_offsets, _quant_groups, _tile_rows  # noqa: E402
+from engine.kernels.quant import _div_by_scale, _group_offsets, _quant_groups, _rstd, _tile_rows  # noqa: E402
 
 DEV = "cuda"
 
@@ -519,6 +521,77 @@ def probe_prefill() -> None:
         del xd, wd
 
 
+@triton.jit
+def _rms_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G: tl.constexpr,
+                      STAGES: tl.constexpr, CHECK: tl.constexpr, W_HOIST: tl.constexpr):
+    """The persistent RMSNorm+quant kernel with the quantization's division picked by CHECK: 0 the fast
+    division with no domain check (measures the check; wrong bits for NaN / inf / zero / tiny groups), 1
+    production (`_quant_groups` FAST: checked, IEEE fallback), 2 IEEE only. W_HOIST 0 reloads the weight per row
+    (fewer registers live across the loop) instead of holding it."""
+    g = tl.arange(0, G)
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cmask = cols < K
+    if W_HOIST:
+        wh = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        base = tl.cast(row, tl.int64) * K
+        x = tl.load(x_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
+        if W_HOIST:
+            h = wh * (x * rstd[:, None])
+        else:
+            h = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * (x * rstd[:, None])
+        if CHECK == 0:
+            amax = tl.max(tl.abs(h), axis=1)
+            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
+            tl.store(out_ptr + base + cols, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=cmask)
+            tl.store(scale_ptr + row.to(tl.int64) * n_groups + g, scale, mask=g < n_groups)
+        else:
+            _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr, CHECK == 1)
+
+
+def probe_rms(copy_tbs: float) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16 (persistent kernel): the cost of the fast division's domain check, of the
+    IEEE division, of holding the weight in registers, over warps / programs per SM / stages. TB/s of bytes
+    moved (x read, FP8 + scales written); the production wrapper's defaults first. Bits vs production printed."""
+    import triton.testing
+
+    from engine.kernels import quant as Q
+
+    m, k = 16384, 7168
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    w = torch.rand(k, device=DEV) + 0.5
+    nbytes = m * k * 3 + m * (k // 128) * 4
+    ref_d, ref_s = Q.rmsnorm_quant(x, w, 1e-5, mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"\n## RMSNorm+quant {m} x {k} bf16, persistent kernel variants (copy ceiling {copy_tbs:.2f} TB/s)")
+    for name, fn in [("production default", lambda: Q.rmsnorm_quant(x, w, 1e-5)),
+                     ("production persistent w8 s3 pps2",
+                      lambda: Q.rmsnorm_quant(x, w, 1e-5, mode="persistent", num_warps=8, num_stages=3,
+                                              programs_per_sm=2))]:
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+        print(f"  {name:44s} {ms * 1e3:7.1f} us {nbytes / ms / 1e9:5.2f} TB/s")
+    for check in (0, 1, 2):
+        for hoist in (1, 0):
+            for warps, pps, stages in ((8, 2, 3), (8, 3, 3), (4, 4, 3), (4, 4, 4), (8, 2, 4), (16, 1, 4)):
+                out = torch.empty(m, k, device=DEV, dtype=torch.float8_e4m3fn)
+                sc = torch.empty(m, k // 128, device=DEV)
+
+                def run(check=check, hoist=hoist, warps=warps, pps=pps, stages=stages, out=out, sc=sc):
+                    _rms_probe_kernel[(min(m, pps * sms),)](x, w, out, sc, m, k, k // 128, 1e-5, G=64, STAGES=stages,
+                                                            CHECK=check, W_HOIST=hoist, num_warps=warps)
+                try:
+                    ms = triton.testing.do_bench(run, warmup=10, rep=50)
+                except Exception as e:  # noqa: BLE001 (out of resources: printed, next config)
+                    print(f"  check={check} hoist={hoist} w{warps} pps{pps} s{stages}: {type(e).__name__}")
+                    continue
+                same = torch.equal(out.view(torch.uint8), ref_d.view(torch.uint8))
+                print(f"  check={check} hoist={hoist} w{warps:<2d} pps{pps} s{stages}{'':22s} {ms * 1e3:7.1f} us "
+                      f"{nbytes / ms / 1e9:5.2f} TB/s  bits {'= production' if same else 'DIFFER'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,attn,prefill")
@@ -530,7 +603,7 @@ def main() -> int:
     del big
     print(f"HBM copy ceiling: {copy_tbs:.2f} TB/s")
     probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
-              "small": probe_small, "prefetch": probe_prefetch, "attn": probe_attention,
+              "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

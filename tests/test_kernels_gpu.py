@@ -35,6 +35,22 @@ def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
     elif kind == "inf":  # an infinite amax: scale inf, finite elements 0, the infinite ones NaN
         x[1 % rows, 3] = float("inf")
         x[0, min(130, k - 1)] = float("-inf")
+    elif kind == "signed_zero_fast":  # -0 and +0 inside groups with a normal amax: the fast division's tiles
+        x[:, 1::3] = -0.0
+        x[:, 2::5] = 0.0
+    elif kind == "wide":  # group amaxes ~2^-77 .. 2^120 (fast division), elements down to float32 subnormals
+        x = torch.ldexp(x, torch.randint(-75, 118, (rows, 1), device="cuda", generator=g).float())
+        x[:, 1::7] *= 2.0 ** -100
+        x[:, 3::11] *= 2.0 ** -60
+    elif kind == "tiny_amax":  # group amaxes below the fast division's 2^-80: the IEEE path
+        x = x * 2.0 ** -84
+    elif kind == "ties_scaled":  # E4M3 midpoints after dividing by scales whose reciprocals are inexact
+        sc = torch.ldexp(1.0 + torch.randint(1, 2 ** 16, (rows, 1), device="cuda", generator=g) / 2.0 ** 16,
+                         torch.randint(-20, 20, (rows, 1), device="cuda", generator=g).float())
+        x = x * sc
+        x[:, 0] = 448.0 * sc[:, 0]
+        mids = torch.tensor([1.0625, 1.1875, 3.25, 3.75, 0.0234375, 240.0, 208.0, 17.0, 0.0029296875], device="cuda")
+        x[:, 2:11] = mids * sc
     elif kind == "ties":
         # values on E4M3 midpoints after scaling by 1: 1 + 1/16 is halfway between 1 and 1.125
         x[:, 0] = 448.0
@@ -42,7 +58,8 @@ def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
     return x
 
 
-KINDS = ["normal", "heavy", "zeros", "signed_zero", "denormal", "at_max", "nan", "inf", "ties"]
+KINDS = ["normal", "heavy", "zeros", "signed_zero", "signed_zero_fast", "wide", "tiny_amax", "denormal", "at_max", "nan",
+         "inf", "ties", "ties_scaled"]
 SHAPES = [(4, 128), (3, 1000), (5, 7168), (2, 172)]
 
 
@@ -61,8 +78,8 @@ def test_act_quant_bit_exact(kind, shape):
         assert torch.equal(s.view(torch.int32), rs.view(torch.int32)), f"scale bits differ ({kind}, {shape}, {dtype})"
 
 
-@pytest.mark.parametrize("single_pass", [True, False])
-@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max"])
+@pytest.mark.parametrize("single_pass", [True, False, None])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max", "signed_zero_fast"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rmsnorm_quant(kind, shape, single_pass):
     """Fused RMSNorm+quant: the quantization of the kernel's own normed values is bit-exact;
@@ -101,6 +118,45 @@ def test_add_rmsnorm_quant(shape, round_bf16):
     d2, s2, h2 = rmsnorm_quant(r, w, 1e-5, return_hp=True)
     assert torch.equal(h2.view(torch.int32), h.view(torch.int32))
     assert torch.equal(_bits(d), _bits(d2)) and torch.equal(s.view(torch.int32), s2.view(torch.int32))
+
+
+@pytest.mark.parametrize("tiling", [dict(mode="persistent"), dict(mode="chunked"), dict(single_pass=True)])
+@pytest.mark.parametrize("k", [1000, 7168])
+def test_add_rmsnorm_quant_every_kernel(k, tiling):
+    """The residual input in each RMSNorm kernel (the persistent one is the default for 33..128 groups): residual
+    bit-exact with torch, norm and quantization exactly `rmsnorm_quant` of that residual with the same tiling,
+    quantization library-exact on the kernel's normed values, normed values within 4e-6 of torch."""
+    from engine.kernels.quant import act_quant_reference, add_rmsnorm_quant, add_rmsnorm_quant_reference, rmsnorm_quant
+
+    x = _inputs(67, k, "heavy").to(torch.bfloat16).contiguous()
+    o = (_inputs(67, k, "signed_zero_fast") * 3).to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(k, device="cuda")).contiguous()
+    r, d, s, h = add_rmsnorm_quant(x, o, w, 1e-5, **tiling)
+    rr, _, _, rh = add_rmsnorm_quant_reference(x, o, w, 1e-5)
+    assert torch.equal(r.view(torch.int32), rr.view(torch.int32))
+    d2, s2, h2 = rmsnorm_quant(r, w, 1e-5, return_hp=True, **tiling)
+    assert torch.equal(h2.view(torch.int32), h.view(torch.int32))
+    assert torch.equal(_bits(d), _bits(d2)) and torch.equal(s.view(torch.int32), s2.view(torch.int32))
+    rd, rs = act_quant_reference(h)
+    assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+    rel = ((h - rh).abs() / rh.abs().clamp_min(1e-30))[rh != 0]
+    assert rel.max().item() < 4e-6, rel.max().item()
+
+
+def test_rmsnorm_quant_wide_rows_default_to_the_chunked_kernel():
+    """Rows over 128 groups (16384 columns) cannot be held whole: the default is the chunked two-pass kernel,
+    library-exact on its normed values; an explicit persistent tiling is a clear error."""
+    from engine.kernels.quant import act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
+
+    x = _inputs(3, 20480, "heavy").to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(20480, device="cuda")).contiguous()
+    d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True)
+    rd, rs = act_quant_reference(h)
+    assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+    _, _, href = rmsnorm_quant_reference(x, w, 1e-5)
+    assert ((h - href).abs() / href.abs().clamp_min(1e-30))[href != 0].max().item() < 4e-6
+    with pytest.raises(ValueError, match="16384"):
+        rmsnorm_quant(x, w, 1e-5, mode="persistent")
 
 
 @pytest.mark.parametrize("k", [4096, 7168])

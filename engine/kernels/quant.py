@@ -55,10 +55,55 @@ def _group_offsets(row, grp, M, K):
 
 
 @triton.jit
-def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr):
+def _max_keep_nan(a, b):
+    """max that propagates NaN (a reduction combine function: the amax of a group holding a NaN is NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST: tl.constexpr = False):
     """Quantize h (R, 128) fp32, tile row r = the 1x128 group grp[r] of row row[r]; store FP8 data and R scales.
 
-    Masked-out elements must be 0 in h (they never raise an amax)."""
+    Masked-out elements must be 0 in h (they never raise an amax).
+
+    FAST (GPU only; same bits): when every stored group of the tile has a finite amax >= 2^-80, each element
+    is divided by the reciprocal refinement of `_div_by_scale` (3 instructions instead of the IEEE division's
+    ~10 and its slow-path branch); any other tile (a NaN, an inf, an all-zero or tiny group) takes the IEEE
+    path below. The CPU interpreter's fma rounds twice, so there FAST must stay off."""
+    off, mask, _ = _group_offsets(row, grp, M, K)
+    smask = (row < M) & (grp < n_groups)
+    sptr = scale_ptr + row.to(tl.int64) * n_groups + grp
+    if FAST:
+        amax = tl.reduce(tl.abs(h), 1, _max_keep_nan)  # NaN where the group holds a NaN
+        ok = ((amax >= 8.271806125530277e-25) & (amax < float("inf"))) | (smask == 0)  # 2^-80 <= amax < inf
+        if tl.min(ok.to(tl.int32), axis=0) == 1:
+            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
+            y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
+            tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(sptr, scale, mask=smask)
+        else:
+            _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr)
+    else:
+        _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr)
+
+
+@triton.jit
+def _div_by_scale(x, s, r):
+    """x / s correctly rounded to fp32 for the E4M3 conversion, from r = RN(1/s) (Markstein's refinement):
+    q = RN(x * r) is within 1 ulp, the fma residual x - q*s is then exact, and RN(q + residual * r) is
+    RN(x / s) -- for every quotient that E4M3 does not flush to zero, given 2^-80 <= amax < inf (smaller
+    quotients may differ in the last fp32 bits, below E4M3's smallest subnormal: the same FP8 bits). The
+    residual is formed as q*s - x and added times -r, so that x = -0 gives -0: `-x` in Triton is 0 - x
+    (+0 for x = +0), `x * -1.0` the exact negation; -r is exact (r > 0). tests/test_quant_division.py checks
+    the algorithm against IEEE division with an exact fma on the CPU; the GPU kernel tests check the
+    kernels' bits."""
+    q = x * r
+    return tl.fma(tl.fma(q, s, x * -1.0), -r, q)
+
+
+@triton.jit
+def _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr):
+    """The IEEE-division quantization of h (R, 128) (see `_quant_groups`): NaN-carrying and zero groups too."""
     amax = tl.max(tl.abs(h), axis=1)  # (R,)
     n_nan = tl.sum((h != h).to(tl.int32), axis=1)
     scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
@@ -66,9 +111,8 @@ def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr):
     nan = tl.sum(tl.where(h != h, h, 0.0), axis=1)  # NaN exactly where the group holds a NaN
     scale = tl.where(n_nan > 0, nan, scale)
     y = tl.div_rn(h, scale[:, None])  # (R, 128)
-    off, mask, _ = _group_offsets(row, grp, M, K)
     tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(scale_ptr + row.to(tl.int64) * n_groups + grp, scale, mask=(row < M) & (grp < n_groups))
+    tl.store(sptr, scale, mask=smask)
 
 
 @triton.jit
@@ -80,26 +124,26 @@ def _rstd(ss, K, eps):
 
 @triton.jit
 def _norm_quant_store(x, rstd, row, grp, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
-                      STORE_HP: tl.constexpr):
+                      STORE_HP: tl.constexpr, FAST: tl.constexpr):
     """h = w * (x * rstd) for x (R, 128) fp32 (rstd (R,) per tile row); optionally store h; quantize h."""
     off, mask, cols = _group_offsets(row, grp, M, K)
     w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     h = w * (x * rstd[:, None])
     if STORE_HP:
         tl.store(hp_ptr + off, h, mask=mask)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
 
 
 # ---------------------------------------------------------------------- kernels
 @triton.jit
 def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr, GB: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (row blocks, group blocks): plain 1x128 quantization of a (BM rows x GB groups) tile."""
     pdl_enter(PDL)
     row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
     off, mask, _ = _group_offsets(row, grp, M, K)
     h = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
 
 
 @triton.jit
@@ -142,7 +186,7 @@ def _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES: tl.constexpr, RES
 def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
                           BM: tl.constexpr, GB: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
                           STORE_HP: tl.constexpr, HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+                          FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (row blocks,): BM rows per program, walked in (BM*GB, 128) tiles (GB groups of each row).
 
     ONE_PASS (GB*128 >= K): the whole rows stay in registers (x read once). Otherwise pass 1 sums x^2
@@ -171,41 +215,45 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rou
         tot = tl.sum(tl.reshape(ss, (BM, GB)), axis=1)  # (BM,)
         rstd = tl.reshape(tl.broadcast_to(_rstd(tot, K, eps)[:, None], (BM, GB)), (BM * GB,))
     if ONE_PASS:
-        _norm_quant_store(x, rstd, row, sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups, STORE_HP)
+        _norm_quant_store(x, rstd, row, sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups, STORE_HP, FAST)
     else:
         for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
             off, mask, _ = _group_offsets(row, g0 + sub, M, K)
             xc = _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES, RES_BF16, True, 2)
             _norm_quant_store(xc, rstd, row, g0 + sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
-                              STORE_HP)
+                              STORE_HP, FAST)
 
 
 @triton.jit
-def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, eps,
-                                     G: tl.constexpr, STAGES: tl.constexpr, STORE_HP: tl.constexpr):
+def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
+                                     G: tl.constexpr, STAGES: tl.constexpr, STORE_HP: tl.constexpr,
+                                     HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False,
+                                     FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (programs,): one pass over whole rows (G = n_groups rounded up to a power of two groups per
     (G, 128) tile). Each program loops over rows pid, pid + programs, ...; STAGES > 1 pipelines the
     loop, so the next rows are loading (into shared memory) while this one is normalized and
-    quantized -- bytes in flight without holding more rows in registers. The weight is loaded once."""
+    quantized -- bytes in flight without holding more rows in registers. The weight is loaded once.
+    HAS_RES / RES_BF16: the residual add of `_rmsnorm_quant_kernel` (rows x + res, written to rout_ptr)."""
+    pdl_enter(PDL)
     g = tl.arange(0, G)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # (G, 128)
     cmask = cols < K
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
-        base = tl.cast(row, tl.int64) * K
-        x = tl.load(x_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+        off = tl.cast(row, tl.int64) * K + cols
+        x = _residual_in(x_ptr, res_ptr, rout_ptr, off, cmask, HAS_RES, RES_BF16, True, 0)
         ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
         rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
         h = w * (x * rstd[:, None])
         if STORE_HP:
-            tl.store(hp_ptr + base + cols, h, mask=cmask)
-        _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr)
+            tl.store(hp_ptr + off, h, mask=cmask)
+        _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr, FAST)
 
 
 @triton.jit
 def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups,
                          BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant.
 
     FAST_SILU: the silu division is the approximate full-range one (div.full.f32, <= 2 ulp; tl.exp is
@@ -221,7 +269,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_group
         h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     if STORE_HP:
         tl.store(hp_ptr + off, h, mask=mask)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
 
 
 # --------------------------------------------------------------------- wrappers
@@ -234,6 +282,15 @@ def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
                          f"strides {x.stride()}; call .contiguous() first")
     k = x.shape[-1]
     return x.numel() // max(k, 1), k, triton.cdiv(k, GROUP)
+
+
+FAST_DIVISION = os.environ.get("ENGINE_FAST_QDIV", "1") != "0"  # see `_quant_groups`; ENGINE_FAST_QDIV=0: IEEE only
+
+
+def fast_division(x: torch.Tensor) -> bool:
+    """Whether the quant kernels may take `_div_by_scale` (same bits): on CUDA, unless ENGINE_FAST_QDIV=0 (or
+    `FAST_DIVISION` set False); never under the CPU interpreter, whose fma rounds twice."""
+    return FAST_DIVISION and x.is_cuda
 
 
 def _pow2_knob(name: str, v: int, hi: int) -> int:
@@ -265,7 +322,10 @@ ACT_QUANT_DEFAULTS = dict(bm=32, gb=1, num_warps=4)
 SWIGLU_DEFAULTS = dict(bm=16, gb=1, num_warps=4, fast_silu=True)
 # RMSNorm: "chunked" = _rmsnorm_quant_kernel (bm rows, gb groups per step, two passes unless gb*128 >= K),
 # "persistent" = _rmsnorm_quant_persistent_kernel (programs_per_sm programs per SM, one pass, pipelined).
-RMSNORM_DEFAULTS = dict(mode="chunked", bm=1, gb=8, num_warps=4, num_stages=2, programs_per_sm=2)
+# Rows of 33..128 groups default to persistent (H200 16384 x 7168 bf16: 2.63 TB/s vs 1.83 for chunked two-pass,
+# benchmarks/results/h200-2026-11-29-session7/probe_rms.txt); wider rows and mode="chunked" take the chunked knobs.
+RMSNORM_DEFAULTS = dict(mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)
+RMSNORM_CHUNKED_DEFAULTS = dict(bm=1, gb=8, num_warps=4, num_stages=2)
 SMALL_ROW_GROUPS = 32  # rows of <= 32 groups (K <= 4096) default to the one-pass whole-row tile (see rmsnorm_quant)
 ROW_KERNEL_MAX_GROUPS = 128  # one-pass kernels hold at most 128 groups (16384 columns) per row in registers
 
@@ -283,7 +343,7 @@ def act_quant(x: torch.Tensor, *, bm: int | None = None, gb: int | None = None,
     if rows == 0 or k == 0:
         return out, scales
     _act_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
-        x, out, scales, rows, k, groups, BM=bm, GB=gb,
+        x, out, scales, rows, k, groups, BM=bm, GB=gb, FAST=fast_division(x),
         num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"], **launch_opts(x))
     return out, scales
 
@@ -307,10 +367,11 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
                   programs_per_sm: int | None = None):
     """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]).
 
-    Kernels (knob None -> `RMSNORM_DEFAULTS`, except rows of at most `SMALL_ROW_GROUPS` groups, which
-    default to the one-pass whole-row tile: one memory round trip instead of a serial chunk loop, which
-    is what a decode step's single row waits on; the choice depends on K only, so a row's bits never
-    depend on how many rows share the call):
+    Kernels (knob None -> `RMSNORM_DEFAULTS` (persistent) for rows of up to `ROW_KERNEL_MAX_GROUPS` groups,
+    `RMSNORM_CHUNKED_DEFAULTS` for wider rows and mode="chunked"; except rows of at most `SMALL_ROW_GROUPS`
+    groups, which default to the one-pass whole-row tile: one memory round trip instead of a serial chunk
+    loop, which is what a decode step's single row waits on. The choice depends on K only, so a row's bits
+    never depend on how many rows share the call):
 
     * mode="chunked": `bm` rows per program in steps of `gb` groups; one pass when gb*128 >= K, else
       two passes whose second read hits L1/L2; `num_stages` pipelines the chunk loops.
@@ -335,19 +396,17 @@ def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, 
 
     x, res: (..., K) contiguous fp32 / bf16, same shape. Returns (r fp32 (..., K), data, scales, normed fp32
     (..., K)); the norm's bits are `rmsnorm_quant(r, weight, eps, return_hp=True)`'s with the same tiling
-    (`tiling`: its keyword knobs; no persistent mode). Reference: `add_rmsnorm_quant_reference`."""
+    (`tiling`: its keyword knobs). Reference: `add_rmsnorm_quant_reference`."""
     rows, k, groups = _launch_shape(x)
     if res.shape != x.shape or not res.is_contiguous() or res.device != x.device:
         raise ValueError(f"add_rmsnorm_quant: res must be a contiguous tensor of x's shape {tuple(x.shape)} on "
                          f"{x.device}, got {tuple(res.shape)} on {res.device}")
     _check_norm_weight(x, weight, k)
-    if tiling.get("mode") == "persistent":
-        raise ValueError("add_rmsnorm_quant: the persistent kernel has no residual input; use mode='chunked'")
     out, scales, hp = _outputs(x, rows, k, groups, True)
     r = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, res, r, rows, k, groups, eps, True, round_bf16,
                     tiling.get("single_pass"), tiling.get("mode"), tiling.get("bm"), tiling.get("gb"),
-                    tiling.get("num_warps"), tiling.get("num_stages"), None)
+                    tiling.get("num_warps"), tiling.get("num_stages"), tiling.get("programs_per_sm"))
     return r, out, scales, hp
 
 
@@ -361,25 +420,26 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
 def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, return_hp, round_bf16,
                     single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm) -> None:
     """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual."""
-    d = RMSNORM_DEFAULTS
+    d, c = RMSNORM_DEFAULTS, RMSNORM_CHUNKED_DEFAULTS
     small = (groups <= SMALL_ROW_GROUPS and single_pass is None and mode is None and bm is None and gb is None)
     if small:  # 16 warps: the single row's loads, reduction and stores spread over more threads (latency-bound;
         # H200 add+RMSNorm+quant of 1 x 4096 in a CUDA graph: 2.8 us vs 3.4 at 8 warps, probe_small.txt)
         mode, bm, gb = "chunked", 1, triton.next_power_of_2(groups)
         num_warps = num_warps or 16
-    mode = mode or d["mode"]
-    bm = _pow2_knob("bm", d["bm"] if bm is None else bm, 64)
-    gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 128)
-    stages = d["num_stages"] if num_stages is None else num_stages
-    warps = num_warps or d["num_warps"]
-    if mode == "persistent" and num_warps is None and d["mode"] != "persistent":
-        warps = 8  # the default warps are the chunked kernel's; a whole-row tile over 4 warps would spill
     if single_pass is not None:  # the two historical kernels, expressed in the chunked kernel's knobs
         mode = "chunked"
-        if single_pass:
-            bm, gb = 1, triton.next_power_of_2(groups)
-        elif gb >= groups:
-            gb = max(1, triton.next_power_of_2(groups) // 2)
+    if mode is None:  # a chunk knob given alone asks for the chunked kernel
+        chunk_knobs = bm is not None or gb is not None
+        mode = d["mode"] if groups <= ROW_KERNEL_MAX_GROUPS and not chunk_knobs else "chunked"
+    knobs = d if mode == "persistent" else c
+    bm = _pow2_knob("bm", c["bm"] if bm is None else bm, 64)
+    gb = _pow2_knob("gb", c["gb"] if gb is None else gb, 128)
+    stages = knobs["num_stages"] if num_stages is None else num_stages
+    warps = num_warps or knobs["num_warps"]
+    if single_pass:
+        bm, gb = 1, triton.next_power_of_2(groups)
+    elif single_pass is False and gb >= groups:
+        gb = max(1, triton.next_power_of_2(groups) // 2)
     one_pass = mode == "persistent" or gb * GROUP >= k
     if one_pass and groups > ROW_KERNEL_MAX_GROUPS:
         raise ValueError(f"rmsnorm_quant: one-pass tiling of rows of {k} columns exceeds "
@@ -389,13 +449,14 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
     if mode == "persistent":
         progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * _sm_count(x.device)))
         _rmsnorm_quant_persistent_kernel[(progs,)](
-            x, w, out, scales, hp, rows, k, groups, eps, G=triton.next_power_of_2(groups), STAGES=stages,
-            STORE_HP=return_hp, num_warps=warps)
+            x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
+            eps, G=triton.next_power_of_2(groups), STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
+            RES_BF16=round_bf16, FAST=fast_division(x), num_warps=warps, **launch_opts(x))
     elif mode == "chunked":
         _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, num_warps=warps, **launch_opts(x))
+            RES_BF16=round_bf16, FAST=fast_division(x), num_warps=warps, **launch_opts(x))
     else:
         raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
 
@@ -436,6 +497,7 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
         _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
             gate, up, out, scales, hp, rows, k, groups, BM=bm, GB=gb,
             FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
+            FAST=fast_division(gate),
             num_warps=num_warps or d["num_warps"], **launch_opts(gate))
     return (out, scales, hp) if return_hp else (out, scales)
 
