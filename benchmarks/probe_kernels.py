@@ -552,10 +552,12 @@ def _rms_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G: 
             _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr, CHECK == 1)
 
 
-def probe_rms(copy_tbs: float) -> None:
-    """RMSNorm+quant 16384 x 7168 bf16 (persistent kernel): the cost of the fast division's domain check, of the
-    IEEE division, of holding the weight in registers, over warps / programs per SM / stages. TB/s of bytes
-    moved (x read, FP8 + scales written); the production wrapper's defaults first. Bits vs production printed."""
+def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16 (persistent kernel): the cost of the fast division's domain check (CHECK 1:
+    a CTA-wide check and branch per row, as in `_quant_groups`; production defers it, see
+    `_rmsnorm_quant_persistent_kernel`), of the IEEE division, and (hoist_sweep: the session-7 first run) of
+    holding the weight in registers, over warps / programs per SM / stages. TB/s of bytes moved (x read, FP8 +
+    scales written); the production wrapper's defaults first. Bits vs production printed."""
     import triton.testing
 
     from engine.kernels import quant as Q
@@ -574,8 +576,9 @@ def probe_rms(copy_tbs: float) -> None:
         ms = triton.testing.do_bench(fn, warmup=10, rep=50)
         print(f"  {name:44s} {ms * 1e3:7.1f} us {nbytes / ms / 1e9:5.2f} TB/s")
     for check in (0, 1, 2):
-        for hoist in (1, 0):
-            for warps, pps, stages in ((8, 2, 3), (8, 3, 3), (4, 4, 3), (4, 4, 4), (8, 2, 4), (16, 1, 4)):
+        for hoist in (1, 0) if hoist_sweep else (1,):
+            for warps, pps, stages in (((8, 2, 3), (8, 3, 3), (4, 4, 3), (4, 4, 4), (8, 2, 4), (16, 1, 4)) if hoist_sweep
+                                       else ((8, 2, 3), (8, 2, 4), (4, 4, 3))):
                 out = torch.empty(m, k, device=DEV, dtype=torch.float8_e4m3fn)
                 sc = torch.empty(m, k // 128, device=DEV)
 

@@ -42,6 +42,8 @@ def _inputs(rows: int, k: int, kind: str) -> torch.Tensor:
         x = torch.ldexp(x, torch.randint(-75, 118, (rows, 1), device="cuda", generator=g).float())
         x[:, 1::7] *= 2.0 ** -100
         x[:, 3::11] *= 2.0 ** -60
+    elif kind == "tiny_group":  # one group per row 2^-100 below the rest: after a norm still under 2^-80 (IEEE path)
+        x[:, 128:256] *= 2.0 ** -100
     elif kind == "tiny_amax":  # group amaxes below the fast division's 2^-80: the IEEE path
         x = x * 2.0 ** -84
     elif kind == "ties_scaled":  # E4M3 midpoints after dividing by scales whose reciprocals are inexact
@@ -79,7 +81,7 @@ def test_act_quant_bit_exact(kind, shape):
 
 
 @pytest.mark.parametrize("single_pass", [True, False, None])
-@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max", "signed_zero_fast"])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros", "at_max", "signed_zero_fast", "tiny_group", "nan"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rmsnorm_quant(kind, shape, single_pass):
     """Fused RMSNorm+quant: the quantization of the kernel's own normed values is bit-exact;
@@ -92,7 +94,7 @@ def test_rmsnorm_quant(kind, shape, single_pass):
     rd, rs = act_quant_reference(h)
     assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
     _, _, href = rmsnorm_quant_reference(x, w, 1e-5)
-    rel = ((h - href).abs() / href.abs().clamp_min(1e-30))[href != 0]
+    rel = ((h - href).abs() / href.abs().clamp_min(1e-30))[(href != 0) & torch.isfinite(href)]
     assert rel.max().item() < 4e-6, rel.max().item()
     fd, _, _ = rmsnorm_quant_reference(x, w, 1e-5)
     same = (_bits(d) == _bits(fd)).float().mean().item()
@@ -159,16 +161,21 @@ def test_rmsnorm_quant_wide_rows_default_to_the_chunked_kernel():
         rmsnorm_quant(x, w, 1e-5, mode="persistent")
 
 
+@pytest.mark.parametrize("kind", ["heavy", "zeros", "tiny_group"])
 @pytest.mark.parametrize("k", [4096, 7168])
-def test_rmsnorm_quant_row_bits_do_not_depend_on_the_row_count(k):
-    """The default tiling is a function of K only: a decode step's one row gets the bits it gets in a batch."""
+def test_rmsnorm_quant_row_bits_do_not_depend_on_the_row_count(k, kind):
+    """The default tiling is a function of K only: a decode step's one row gets the bits it gets in a batch --
+    also when rows of the batch take the IEEE re-quantization (zero and tiny groups)."""
     from engine.kernels.quant import rmsnorm_quant
 
-    x = _inputs(64, k, "heavy").to(torch.bfloat16).contiguous()
+    x = _inputs(64, k, kind).to(torch.bfloat16).contiguous()
+    x[7:9] = _inputs(2, k, "heavy").to(torch.bfloat16)  # rows 7 and 8 in the fast domain, the others not (zeros)
     w = (0.5 + torch.rand(k, device="cuda")).contiguous()
-    _, s1, h1 = rmsnorm_quant(x[5:6].contiguous(), w, 1e-5, return_hp=True)
-    _, s64, h64 = rmsnorm_quant(x, w, 1e-5, return_hp=True)
-    assert torch.equal(h1, h64[5:6]) and torch.equal(s1, s64[5:6])
+    d64, s64, h64 = rmsnorm_quant(x, w, 1e-5, return_hp=True)
+    for r in (5, 7):
+        d1, s1, h1 = rmsnorm_quant(x[r:r + 1].contiguous(), w, 1e-5, return_hp=True)
+        assert torch.equal(h1, h64[r:r + 1]) and torch.equal(s1.view(torch.int32), s64[r:r + 1].view(torch.int32))
+        assert torch.equal(_bits(d1), _bits(d64[r:r + 1])), r
 
 
 def test_act_and_swiglu_single_row_default_tile_same_bits():

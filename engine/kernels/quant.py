@@ -74,17 +74,32 @@ def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST: tl.cons
     smask = (row < M) & (grp < n_groups)
     sptr = scale_ptr + row.to(tl.int64) * n_groups + grp
     if FAST:
-        amax = tl.reduce(tl.abs(h), 1, _max_keep_nan)  # NaN where the group holds a NaN
-        ok = ((amax >= 8.271806125530277e-25) & (amax < float("inf"))) | (smask == 0)  # 2^-80 <= amax < inf
-        if tl.min(ok.to(tl.int32), axis=0) == 1:
-            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
-            y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
-            tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(sptr, scale, mask=smask)
+        amax, bad = _fast_domain(h, smask)
+        if tl.max(bad, axis=0) == 0:
+            _quant_groups_fast(h, amax, off, mask, sptr, smask, out_ptr)
         else:
             _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr)
     else:
         _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr)
+
+
+@triton.jit
+def _fast_domain(h, smask):
+    """(amax (R,), bad (R,) int32) of the groups of h: amax NaN where a group holds a NaN; bad 1 for a stored
+    group outside the fast division's domain (2^-80 <= amax < inf, no NaN)."""
+    amax = tl.reduce(tl.abs(h), 1, _max_keep_nan)
+    ok = (amax >= 8.271806125530277e-25) & (amax < float("inf"))
+    return amax, (smask & (ok == 0)).to(tl.int32)
+
+
+@triton.jit
+def _quant_groups_fast(h, amax, off, mask, sptr, smask, out_ptr):
+    """The fast-division quantization of h (R, 128) with its group amaxes (exact for groups in the domain of
+    `_fast_domain`, wrong bits for the others)."""
+    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
+    y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
+    tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(sptr, scale, mask=smask)
 
 
 @triton.jit
@@ -233,21 +248,74 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, r
     (G, 128) tile). Each program loops over rows pid, pid + programs, ...; STAGES > 1 pipelines the
     loop, so the next rows are loading (into shared memory) while this one is normalized and
     quantized -- bytes in flight without holding more rows in registers. The weight is loaded once.
-    HAS_RES / RES_BF16: the residual add of `_rmsnorm_quant_kernel` (rows x + res, written to rout_ptr)."""
+    HAS_RES / RES_BF16: the residual add of `_rmsnorm_quant_kernel` (rows x + res, written to rout_ptr).
+
+    FAST: every row is quantized with the fast division unchecked, and the groups outside its domain are
+    only or-ed into a per-group flag (no CTA-wide reduction or branch per row, which would also stop the
+    loop's pipelining); a program whose flag is set walks its rows once more after a barrier (rare: a
+    NaN, inf, all-zero or tiny group) and re-quantizes them with `_quant_groups` over the bits they got
+    (`_requant_rows`)."""
     pdl_enter(PDL)
     g = tl.arange(0, G)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # (G, 128)
     cmask = cols < K
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    bad = tl.zeros((G,), tl.int32)
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
         off = tl.cast(row, tl.int64) * K + cols
         x = _residual_in(x_ptr, res_ptr, rout_ptr, off, cmask, HAS_RES, RES_BF16, True, 0)
-        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
-        rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
-        h = w * (x * rstd[:, None])
+        h = _rmsnorm_row(x, w, K, eps, G)
         if STORE_HP:
             tl.store(hp_ptr + off, h, mask=cmask)
-        _quant_groups(h, tl.zeros((G,), tl.int32) + row, g, M, K, n_groups, out_ptr, scale_ptr, FAST)
+        rows = tl.zeros((G,), tl.int32) + row
+        if FAST:
+            smask = (rows < M) & (g < n_groups)
+            amax, bad_row = _fast_domain(h, smask)
+            _quant_groups_fast(h, amax, off, cmask, scale_ptr + rows.to(tl.int64) * n_groups + g, smask, out_ptr)
+            bad = bad | bad_row
+        else:
+            _quant_groups(h, rows, g, M, K, n_groups, out_ptr, scale_ptr, False)
+    if FAST:
+        if tl.max(bad, axis=0) > 0:
+            _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, G, HAS_RES)
+
+
+@triton.jit
+def _rmsnorm_row(x, w, K, eps, G: tl.constexpr):
+    """h = w * (x * 1/sqrt(mean(x^2) + eps)) of one (G, 128) row tile (the persistent kernel's order)."""
+    ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
+    return w * (x * rstd[:, None])
+
+
+@triton.jit
+def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, G: tl.constexpr,
+                  HAS_RES: tl.constexpr):
+    """The persistent kernel's second walk over its rows: after a barrier (every thread's fast-path stores
+    are ordered before these), each row's sum of squares is recomputed from the row as it was normed (the
+    stored residual with HAS_RES) with the same code on the same tile, so to the same bits, and the row is
+    normed and re-quantized by `_quant_groups` (IEEE for a group tile with a group outside the fast domain,
+    else the fast path's own bits again) 8 groups at a time: few registers live, so this rare path does not
+    raise the kernel's register count (H200: 141 registers with whole-row tiles here, one program per SM)."""
+    tl.debug_barrier()
+    gc = tl.arange(0, 8)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * K
+        if HAS_RES:
+            x = _load_f32(rout_ptr + base + cols, cmask, 0)
+        else:
+            x = _load_f32(x_ptr + base + cols, cmask, 0)
+        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        rstd = _rstd(tl.zeros((8,), tl.float32) + ss, K, eps)
+        for g0 in tl.range(0, n_groups, 8):
+            ccols = (g0 + gc)[:, None] * 128 + tl.arange(0, 128)[None, :]
+            cm = ccols < K
+            if HAS_RES:
+                xc = _load_f32(rout_ptr + base + ccols, cm, 0)
+            else:
+                xc = _load_f32(x_ptr + base + ccols, cm, 0)
+            h = tl.load(w_ptr + ccols, mask=cm, other=0.0).to(tl.float32) * (xc * rstd[:, None])
+            _quant_groups(h, tl.zeros((8,), tl.int32) + row, g0 + gc, M, K, n_groups, out_ptr, scale_ptr, True)
 
 
 @triton.jit
