@@ -115,3 +115,20 @@ def test_tiny_amax_is_outside_the_fast_domain(amax):
     x = torch.tensor([[amax, amax / 3, -amax / 7, amax / 2]], dtype=torch.float32)
     s = _scale(x)
     assert not torch.equal(_e4m3(div_by_scale(x, s)), _e4m3(x / s))
+
+
+def test_fast_division_is_never_used_off_cuda(monkeypatch):
+    """The kernels take the fast division only on CUDA (the interpreter's fma rounds twice), and
+    ENGINE_FAST_QDIV=0 (`FAST_DIVISION`) turns it off there too."""
+    from engine.kernels import quant
+
+    cpu = torch.zeros(1)
+    assert quant.fast_division(cpu) is False
+    monkeypatch.setattr(quant, "FAST_DIVISION", False)
+
+    class FakeCuda:
+        is_cuda = True
+
+    assert quant.fast_division(FakeCuda()) is False
+    monkeypatch.setattr(quant, "FAST_DIVISION", True)
+    assert quant.fast_division(FakeCuda()) is True
