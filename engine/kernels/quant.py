@@ -6,7 +6,8 @@ Each kernel writes FP8 data plus fp32 group scales in the layout of
 
 * scale = amax(group) / 448 with IEEE round-to-nearest division (`tl.div_rn`),
   1 for an all-zero group, NaN for a group holding a NaN;
-* element = RNE(x / scale) with `tl.div_rn`, converted to E4M3 with
+* element = RNE(x / scale) with `tl.div_rn` -- on CUDA the same quotient from the reciprocal refinement of
+  `_div_by_scale` wherever it is exact (`_quant_groups` FAST) -- converted to E4M3 with
   round-to-nearest-even (values never exceed 448 for dynamic scales).
 
 The norm / activation part is fp32 math whose reduction order differs from
@@ -264,7 +265,7 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, r
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
         off = tl.cast(row, tl.int64) * K + cols
         x = _residual_in(x_ptr, res_ptr, rout_ptr, off, cmask, HAS_RES, RES_BF16, True, 0)
-        h = _rmsnorm_row(x, w, K, eps, G)
+        h = w * (x * _row_rstd(x, K, eps, G)[:, None])
         if STORE_HP:
             tl.store(hp_ptr + off, h, mask=cmask)
         rows = tl.zeros((G,), tl.int32) + row
@@ -281,11 +282,10 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, r
 
 
 @triton.jit
-def _rmsnorm_row(x, w, K, eps, G: tl.constexpr):
-    """h = w * (x * 1/sqrt(mean(x^2) + eps)) of one (G, 128) row tile (the persistent kernel's order)."""
-    ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
-    rstd = _rstd(tl.zeros((G,), tl.float32) + ss, K, eps)
-    return w * (x * rstd[:, None])
+def _row_rstd(x, K, eps, N: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one row tile x (G, 128), as (N,) copies: the persistent kernel's reduction
+    order, the same in both of its walks."""
+    return _rstd(tl.zeros((N,), tl.float32) + tl.sum(tl.sum(x * x, axis=1), axis=0), K, eps)
 
 
 @triton.jit
@@ -305,8 +305,7 @@ def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K,
             x = _load_f32(rout_ptr + base + cols, cmask, 0)
         else:
             x = _load_f32(x_ptr + base + cols, cmask, 0)
-        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
-        rstd = _rstd(tl.zeros((8,), tl.float32) + ss, K, eps)
+        rstd = _row_rstd(x, K, eps, 8)
         for g0 in tl.range(0, n_groups, 8):
             ccols = (g0 + gc)[:, None] * 128 + tl.arange(0, 128)[None, :]
             cm = ccols < K
