@@ -278,7 +278,7 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, r
             _quant_groups(h, rows, g, M, K, n_groups, out_ptr, scale_ptr, False)
     if FAST:
         if tl.max(bad, axis=0) > 0:
-            _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, G, HAS_RES)
+            _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, HAS_RES)
 
 
 @triton.jit
@@ -289,7 +289,7 @@ def _row_rstd(x, K, eps, N: tl.constexpr):
 
 
 @triton.jit
-def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, G: tl.constexpr,
+def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps,
                   HAS_RES: tl.constexpr):
     """The persistent kernel's second walk over its rows: after a barrier (every thread's fast-path stores
     are ordered before these), each row's sum of squares is recomputed from the row as it was normed (the
@@ -298,21 +298,15 @@ def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K,
     else the fast path's own bits again) 8 groups at a time: few registers live, so this rare path does not
     raise the kernel's register count (H200: 141 registers with whole-row tiles here, one program per SM)."""
     tl.debug_barrier()
+    src = rout_ptr if HAS_RES else x_ptr
     gc = tl.arange(0, 8)
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0)):
         base = tl.cast(row, tl.int64) * K
-        if HAS_RES:
-            x = _load_f32(rout_ptr + base + cols, cmask, 0)
-        else:
-            x = _load_f32(x_ptr + base + cols, cmask, 0)
-        rstd = _row_rstd(x, K, eps, 8)
+        rstd = _row_rstd(_load_f32(src + base + cols, cmask, 0), K, eps, 8)
         for g0 in tl.range(0, n_groups, 8):
             ccols = (g0 + gc)[:, None] * 128 + tl.arange(0, 128)[None, :]
             cm = ccols < K
-            if HAS_RES:
-                xc = _load_f32(rout_ptr + base + ccols, cm, 0)
-            else:
-                xc = _load_f32(x_ptr + base + ccols, cm, 0)
+            xc = _load_f32(src + base + ccols, cm, 0)
             h = tl.load(w_ptr + ccols, mask=cm, other=0.0).to(tl.float32) * (xc * rstd[:, None])
             _quant_groups(h, tl.zeros((8,), tl.int32) + row, g0 + gc, M, K, n_groups, out_ptr, scale_ptr, True)
 
