@@ -6,7 +6,8 @@
   the production kernel (`fp8_block_linear`) vs a variant that streams the weight through a TMA tensor
   descriptor (`_tma_probe_kernel`, split-K partials summed by torch: its time excludes that reduce and is a
   lower bound for an integrated version).
-* attn: paged FP8 decode attention (8 x 32K) with the fp16 PV path (`pv_fp16`) vs the bf16 PV path.
+* attn: paged FP8 decode attention (8 x 32K): token-major vs dimension-major V pages over tiles, warps, stages,
+  splits and register caps (errors vs the fp32 reference, bitwise equality with the token-layout default).
 * prefetch: the M = 1 GEMV's L2 prefetch bytes per row, with and without programmatic dependent launch.
 * rms: RMSNorm+quant (persistent) with the fast division's check on / off, IEEE division, weight held or
   reloaded, over warps / programs per SM / stages.
@@ -461,33 +462,63 @@ def probe_small(copy_tbs: float) -> None:
             print(f"  bm={bm:2d} mode={mode}: {t:7.1f} us {nbytes / t / 1e6:5.2f} TB/s{same}", flush=True)
 
 
-def probe_attention(copy_tbs: float) -> None:
+ATTN_SWEEPS = {  # (block_n, num_warps, num_stages, num_splits (None: the default rule), maxnreg)
+    "wide": [(64, 4, 5, None, None), (64, 4, 4, None, None), (64, 4, 3, None, None), (64, 4, 5, 8, None),
+             (64, 4, 4, 8, None), (64, 4, 4, 6, 168), (64, 4, 3, 8, 168), (128, 4, 3, None, None),
+             (128, 4, 4, None, None), (32, 4, 4, None, None), (32, 4, 6, None, None),
+             (64, 2, 3, 8, None), (64, 2, 4, 8, None), (64, 2, 5, 8, None), (32, 2, 4, 8, None),
+             (32, 2, 6, 8, None), (128, 2, 3, 8, None), (64, 2, 4, 16, None),
+             (32, 1, 3, 16, None), (32, 1, 4, 16, None), (32, 1, 6, 16, None), (64, 1, 3, 16, None),
+             (64, 1, 4, 16, None), (32, 1, 4, 32, None), (16, 1, 4, 32, None)],
+    # around the wide sweep's best (dim-major, 2 warps, 5 stages, 8 splits: 3.29 TB/s on an H200)
+    "fine": [(64, 2, 5, None, None), (64, 2, 5, 4, None), (64, 2, 5, 6, None), (64, 2, 5, 8, None),
+             (64, 2, 5, 12, None), (64, 2, 5, 16, None), (64, 2, 6, 8, None), (64, 2, 6, 4, None),
+             (64, 2, 4, 4, None), (128, 2, 4, 8, None), (128, 2, 3, 4, None), (64, 1, 5, 16, None),
+             (64, 1, 6, 16, None), (64, 1, 5, 8, None), (32, 1, 8, 16, None), (64, 2, 5, 8, 128)],
+}
+
+
+def probe_attention(copy_tbs: float, sweep: str = "wide") -> None:
+    """Paged FP8 decode attention 8 x 32K over the V page layouts (token-major / dimension-major) and the
+    kernel's tiles: (block_n, num_warps, num_stages, num_splits, maxnreg); each row: time, TB/s of KV bytes,
+    max rel error vs the fp32 reference and whether the output equals the token-layout default bit for bit."""
     from benchmarks.bench_attention import fill_cache
     from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
 
     b, ctx, h, hkv, dh, page = 8, 32768, 32, 8, 128, 64
-    cache = PagedKVCache(1, b * ctx // page, page, hkv, dh, dtype=torch.float8_e4m3fn, max_seqs=b, device=DEV)
-    fill_cache(cache, b, ctx)
+    caches = {}
+    for layout in ("token", "dim"):
+        caches[layout] = PagedKVCache(1, b * ctx // page, page, hkv, dh, dtype=torch.float8_e4m3fn, max_seqs=b,
+                                      device=DEV, v_layout=layout)
+        fill_cache(caches[layout], b, ctx)
     q = torch.randn(b, h, 1, dh, device=DEV, dtype=torch.bfloat16, generator=torch.Generator(DEV).manual_seed(1))
-    ref = paged_decode_attention_reference(q, cache, 0)
-    kvb = cache.kv_bytes(b * ctx)
-    print(f"\n## paged FP8 decode attention {b} x {ctx} (TB/s of KV bytes; target 2.5)")
-    base_fold = paged_decode_attention(q, cache, 0, fold_v_scale=True)
-    for cfg in [dict(), dict(fold_v_scale=True), dict(fold_v_scale=True, pv_fp16=True),
-                dict(fold_v_scale=True, pv_fp16=True, num_stages=4),
-                dict(fold_v_scale=True, pv_fp16=True, num_stages=6),
-                dict(fold_v_scale=True, pv_fp16=True, num_splits=8),
-                dict(fold_v_scale=True, pv_fp16=True, block_n=128, num_warps=8),
-                dict(fold_v_scale=True, pv_fp16=True, maxnreg=128, num_splits=16)]:
+    ref = paged_decode_attention_reference(q, caches["token"], 0)
+    kvb = caches["token"].kv_bytes(b * ctx)
+    base = paged_decode_attention(q, caches["token"], 0, block_n=64, num_warps=4, num_stages=5, num_splits=4)
+    print(f"\n## sweep {sweep!r}; the comparison base: token-major, block_n 64, 4 warps, 5 stages, 4 splits")
+    print(f"\n## paged FP8 decode attention {b} x {ctx}, V page layouts x tiles (TB/s of KV bytes; target 2.5)")
+    print("   layout block_n warps stages splits maxnreg       us   TB/s  % copy  err vs fp32  == token default")
+    tiles = ATTN_SWEEPS[sweep]
+    runs = [("token", t) for t in [(64, 4, 5, 4, None), (64, 2, 5, 8, None), (32, 1, 4, 16, None)]]
+    runs += [("dim", t) for t in tiles]
+    res = []
+    for layout, (bn, w, st, sp, reg) in runs:
+        kw = dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp, maxnreg=reg)
         try:
-            o = paged_decode_attention(q, cache, 0, **cfg)
-            e_ref = ((o.float() - ref).abs().max() / ref.abs().max()).item()
-            e_fold = ((o.float() - base_fold).abs().max() / base_fold.abs().max()).item()
-            t = time_us(lambda: paged_decode_attention(q, cache, 0, **cfg), reps=20)
-            print(f"  {str(cfg):80} {t:7.1f} us {kvb / t / 1e6:5.2f} TB/s ({100 * kvb / t / 1e6 / copy_tbs:.0f}% "
-                  f"copy) err vs fp32 {e_ref:.1e} vs bf16-PV fold {e_fold:.1e}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            print(f"  {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            o = paged_decode_attention(q, caches[layout], 0, **kw)
+            err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
+            same = torch.equal(o, base)
+            t = time_us(lambda: paged_decode_attention(q, caches[layout], 0, **kw), reps=30)
+        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+            print(f"   {layout:6} {kw} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
+            continue
+        tbs = kvb / t / 1e6
+        res.append((t, layout, kw))
+        print(f"   {layout:6} {bn:7d} {w:5d} {st:6d} {str(sp or 'auto'):>6} {str(reg or '-'):>7} {t:8.1f} {tbs:6.2f} "
+              f"{100 * tbs / copy_tbs:6.1f}%  {err:11.1e}  {same}", flush=True)
+    res.sort(key=lambda r: r[0])
+    for t, layout, kw in res[:5]:
+        print(f"   fastest: {t:7.1f} us {kvb / t / 1e6:5.2f} TB/s {layout} {kw}")
 
 
 def probe_prefill() -> None:
@@ -607,6 +638,7 @@ def main() -> int:
     print(f"HBM copy ceiling: {copy_tbs:.2f} TB/s")
     probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
               "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
+              "attn_fine": lambda c: probe_attention(c, "fine"),
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

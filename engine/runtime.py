@@ -188,9 +188,10 @@ class PagedRuntime:
         has no splits)."""
         if self.num_splits is not None or self.device.type != "cuda":
             return self.num_splits
-        from engine.kernels.paged_kv import decode_splits
+        from engine.kernels.paged_kv import decode_splits, decode_tiles
 
-        return decode_splits(_sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64)
+        return decode_splits(_sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64,
+                             num_warps=decode_tiles(self.kv)[0])
 
     # ----------------------------------------------------------------- steps
     def _forward(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor,

@@ -162,6 +162,24 @@ def test_prefill_fp8_output_bit_exact(h, dv):
         assert _bits_equal(data2, data) and _scales_equal(scales2, scales)
 
 
+def test_prefill_extreme_scores_stay_finite():
+    """Query rows scaled by 2**60 (scores near 2**66) and 2**-60: the tiles below the causal diagonal run
+    without masks, and their softmax must still subtract the row maximum from the very rounded scores it was
+    taken from (an FMA of the score scaling into that subtraction gives exp2(rounding error * huge) = inf,
+    i.e. NaN outputs); output within TOL of the reference, which is one-hot / uniform attention."""
+    from engine.kernels.attention import flash_attention, flash_attention_reference
+
+    t = 300
+    q, k, v = _rand(1, 4, t, 128, seed=16), _rand(1, 2, t, 128, seed=17), _rand(1, 2, t, 128, seed=18)
+    q[0, :2] *= 2.0**60
+    q[0, 2:] *= 2.0**-60
+    pos = torch.arange(t, device=DEV)
+    out = flash_attention(q, k, v, pos, pos, block_m=64, block_n=64)
+    ref = flash_attention_reference(q, k, v, pos, pos)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert _rel_err(out, ref) <= TOL
+
+
 def test_prefill_nan_in_v_propagates():
     """A NaN in one element V[p, c] reaches output column c of every query that sees key p, like in the
     emulation (the other columns stay finite), and the fused FP8 output gets a NaN scale for that group;
@@ -267,17 +285,21 @@ def test_paged_cache_write_gather_bit_exact(page, dv):
     assert torch.equal(cache.gather(0, 0)[0], torch.zeros(1, 2, 300, 64, device=DEV))  # layer 0 untouched
 
 
-@pytest.mark.parametrize("k_spec,v_spec,dk,dv", [("e4m3:head", "e4m3:1x128", 128, 128),
-                                                 ("e4m3:token", "e4m3:1x128", 96, 320),
-                                                 ("e4m3:head", "e4m3:token", 64, 192)])
-def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv):
+@pytest.mark.parametrize("k_spec,v_spec,dk,dv,v_layout", [("e4m3:head", "e4m3:1x128", 128, 128, "dim"),
+                                                          ("e4m3:head", "e4m3:1x128", 128, 128, "token"),
+                                                          ("e4m3:token", "e4m3:1x128", 96, 320, "dim"),
+                                                          ("e4m3:head", "e4m3:token", 64, 192, "token")])
+def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv, v_layout):
     """The fused Triton write (quantize + scatter) stores the same bytes and scales as the formats-library
-    path (K per head or per token, V per 128-group or per token) on adversarial chunks: all-zero tokens, denormals, amax exactly 448, a NaN in K (the head's
-    scale becomes NaN) and in V (one 128-group); seq ids / starts given as device tensors."""
+    path (K per head or per token, V per 128-group or per token; the kernel writing dimension-major or
+    token-major V pages, the library token-major) on adversarial chunks: all-zero tokens, denormals, amax
+    exactly 448, a NaN in K (the head's scale becomes NaN) and in V (one 128-group); seq ids / starts given
+    as device tensors."""
     from engine.kernels.paged_kv import PagedKVCache
 
     caches = [PagedKVCache(1, 40, 16, 2, dk, dv, k_spec=k_spec, v_spec=v_spec, max_seqs=3, device=DEV,
-                           quantizer=qz) for qz in ("library", "triton")]
+                           quantizer=qz, v_layout=lay) for qz, lay in (("library", "token"), ("triton", v_layout))]
+    assert (caches[1].v_data(0).stride(-1) == 1) == (v_layout == "token")
     for c in caches:
         for s in range(3):
             c.allocate(s, 120)
@@ -435,6 +457,50 @@ def test_paged_decode_direct_single_split_is_the_reduce_bit_for_bit(fp8):
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), opts
     with pytest.raises(ValueError, match="num_splits=1"):
         paged_decode_attention(q, cache, 0, num_splits=2, direct=True)
+
+
+def test_paged_decode_v_layouts_bit_identical():
+    """Dimension-major and token-major V pages hold the same values, and the decode kernel gives the same
+    bits from both: tq 1 and 3 (causal inside the new tokens), a sliding window, one split (direct) and
+    several, block_n below / equal to / above the page size, sequences whose lengths are not tile multiples
+    (the masked tail tiles) -- and the result is right (vs the fp32 reference)."""
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+
+    lens = [1000, 37, 2049]
+    caches = {lay: PagedKVCache(1, 110, 32, 2, 128, max_seqs=3, device=DEV, v_layout=lay) for lay in ("token", "dim")}
+    for c in caches.values():
+        _fill(c, 0, lens, chunk=300, seed=90)
+    for tq, opts in ((1, dict()), (1, dict(num_splits=1)), (1, dict(block_n=32, num_splits=7)),
+                     (1, dict(block_n=64, num_warps=2, num_stages=3)), (3, dict(sliding_window=333)),
+                     (3, dict(block_n=16, num_splits=5)), (1, dict(block_n=32, num_warps=1, sliding_window=100)),
+                     (2, dict(sliding_window=64, num_splits=40))):  # splits past the short sequence's keys
+        q = _rand(3, 8, tq, 128, seed=91 + tq)
+        tok = paged_decode_attention(q, caches["token"], 0, **opts)
+        dim = paged_decode_attention(q, caches["dim"], 0, **opts)
+        assert torch.equal(tok, dim), (tq, opts)
+        ref = paged_decode_attention_reference(q, caches["token"], 0, sliding_window=opts.get("sliding_window"))
+        assert _rel_err(dim, ref) <= TOL, (tq, opts)
+
+
+@pytest.mark.parametrize("v_layout", ["dim", "token"])
+def test_paged_decode_ignores_nan_bytes_past_the_end(v_layout):
+    """Stale bytes after a sequence's end inside its last page (here NaN V written there, then a shorter
+    seq_lens) never reach the output: the masked tail tile loads V without a token mask and must zero those
+    tokens, not only their weights (0 * NaN = NaN); the output equals the reference on the first 90 keys."""
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+
+    cache = PagedKVCache(1, 8, 64, 2, 128, max_seqs=1, device=DEV, v_layout=v_layout)
+    _fill(cache, 0, [100], chunk=100, seed=95)
+    v = _rand(1, 2, 10, 128, seed=96, dtype=torch.float32)
+    v[:, :, :, 5] = float("nan")
+    cache.write(0, [0], [90], _rand(1, 2, 10, 128, seed=97, dtype=torch.float32), v)  # tokens 90..99: NaN V
+    q = _rand(1, 8, 1, 128, seed=98)
+    lens = torch.tensor([90], device=DEV, dtype=torch.int32)
+    assert torch.isnan(paged_decode_attention(q, cache, 0)).any()  # the NaN is there for the full length
+    for splits in (1, 2):
+        out = paged_decode_attention(q, cache, 0, lens, num_splits=splits)
+        assert torch.isfinite(out).all(), splits
+        assert _rel_err(out, paged_decode_attention_reference(q, cache, 0, lens)) <= TOL
 
 
 def test_paged_decode_pv_fp16_matches_bf16_pv():

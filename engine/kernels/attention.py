@@ -49,6 +49,17 @@ _NEG_INF = float("-inf")
 
 # ----------------------------------------------------------------- jit helpers
 @triton.jit
+def _keep_rounded(s, keep):
+    """tl.where(keep, s, -inf) for a `keep` that is all true, as a barrier: without a select between them
+    the compiler contracts the last scaling of the scores (s * row_scale) and the softmax's s - max into
+    one FMA, whose unrounded product makes the row maximum's exp2 argument the product's rounding error
+    instead of 0: harmless at ordinary magnitudes, exp2(+huge) = inf -> NaN for scores near 2**60
+    (tests/test_kernel_knobs_gpu.py::test_paged_decode_qk_fp16_is_exact_for_extreme_q). `keep` must not
+    be a compile-time constant, or the select folds away."""
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i, MASKED: tl.constexpr):
     """One online-softmax step on log2-domain scores s (BM, BN): returns (p, alpha, l_new, m_new)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,6 +192,8 @@ def _flash_phase(acc, l_i, m_i, q, q_pos, row_scale, k_base, v_base, ks_base, vs
             if HAS_WINDOW:
                 vis = vis & (kp[None, :] > q_pos[:, None] - window)
             s = tl.where(vis, s, float("-inf"))
+        else:
+            s = _keep_rounded(s, mask_n[None, :])
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, MASKED)
         v = _load_v(v_base + on[:, None] * svt + dv[None, :] * svd, vs_base + on * svs_t, svs_g, mask_n,
                     HAS_VS, V_GROUPS, DV, DV_P, PV_DTYPE)

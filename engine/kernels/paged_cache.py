@@ -36,6 +36,7 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 _FP8 = torch.float8_e4m3fn
 _K_SPECS = ("e4m3:head", "e4m3:token")
 _V_SPECS = ("e4m3:1x128", "e4m3:token")
+V_LAYOUTS = ("token", "dim")
 IntsLike = Union[torch.Tensor, Sequence[int], int]
 
 
@@ -50,6 +51,16 @@ class PagedKVCache:
     * FP8 only: k_scale (pages, kv_heads, block_size) and v_scale (pages, kv_heads, block_size,
       ceil(head_dim_v/128)) fp32.
 
+    `v_layout`: how a V page lies in memory. "token": token-major, each token's head_dim_v values
+    contiguous (like K); "dim": dimension-major, each dimension's block_size tokens contiguous (the
+    storage is (pages, kv_heads, head_dim_v, block_size); `v_data` still returns the (pages, kv_heads,
+    block_size, head_dim_v) view, so indexing code does not change). "auto" (default): "dim" for FP8,
+    "token" otherwise. The decode kernel's PV product reduces over tokens; FP8 tensor-core operands want
+    the reduction dimension contiguous, and with token-major FP8 V the compiler gathers V byte by byte
+    from shared memory (there is no 8-bit transposing matrix load on sm_90); dimension-major V loads like
+    K (16-byte global copies, ldmatrix, one conversion per two values). Values and scales are the same in
+    both layouts.
+
     `block_tables` (max_seqs, max_blocks_per_seq) int32 and `seq_lens` (max_seqs,) int32 live on the
     device; the free list and each sequence's pages also live on the host. MLA stores its RoPE key as
     K (kv_heads=1, head_dim=rope dim) and the latent as V (head_dim_v=kv_lora_rank).
@@ -58,7 +69,7 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  head_dim_v: Optional[int] = None, *, dtype: torch.dtype = _FP8, max_seqs: int = 64,
                  max_blocks_per_seq: Optional[int] = None, k_spec: str = "e4m3:head", v_spec: str = "e4m3:1x128",
-                 device: Union[str, torch.device] = "cuda", quantizer: str = "auto"):
+                 device: Union[str, torch.device] = "cuda", quantizer: str = "auto", v_layout: str = "auto"):
         if block_size not in PAGE_SIZES:
             raise ValueError(f"block_size {block_size}: use one of {PAGE_SIZES}")
         if dtype not in (_FP8, torch.bfloat16, torch.float16, torch.float32):
@@ -76,6 +87,9 @@ class PagedKVCache:
         # triton: one fused quantize+scatter kernel per write (no sync, graph-capturable); library: the
         # engine.formats.quantize calls themselves (the reference, and the path on CPU)
         self.quantizer = ("triton" if self.device.type == "cuda" else "library") if quantizer == "auto" else quantizer
+        if v_layout not in ("auto",) + V_LAYOUTS:
+            raise ValueError(f"v_layout {v_layout!r}: use 'auto', 'token' or 'dim'")
+        self.v_layout = ("dim" if dtype == _FP8 else "token") if v_layout == "auto" else v_layout
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
         self.fp8 = dtype == _FP8
@@ -85,7 +99,11 @@ class PagedKVCache:
         store = torch.uint8 if self.fp8 else dtype
         dev = self.device
         self._k = torch.zeros((num_layers, pages, kv_heads, block_size, head_dim), dtype=store, device=dev)
-        self._v = torch.zeros((num_layers, pages, kv_heads, block_size, self.head_dim_v), dtype=store, device=dev)
+        if self.v_layout == "dim":  # stored (..., head_dim_v, block_size); _v is the token-major view of it
+            self._v = torch.zeros((num_layers, pages, kv_heads, self.head_dim_v, block_size), dtype=store,
+                                  device=dev).transpose(-1, -2)
+        else:
+            self._v = torch.zeros((num_layers, pages, kv_heads, block_size, self.head_dim_v), dtype=store, device=dev)
         if self.fp8:
             self._ks = torch.ones((num_layers, pages, kv_heads, block_size), dtype=torch.float32, device=dev)
             self._vs = torch.ones((num_layers, pages, kv_heads, block_size, self.v_groups), dtype=torch.float32,

@@ -28,21 +28,95 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import (LOG2E, _check_dtype, _compute_types, _e4m3_scale, _emulated_attention,
-                                      _finish, _launch, _load_v, _out_buffers, _pow2, _qk, _scale_view,
+                                      _finish, _keep_rounded, _launch, _load_v, _out_buffers, _pow2, _qk, _scale_view,
                                       _softmax_step, _store_e4m3, _store_e4m3_groups, _store_output, _strides,
                                       dequantize)
 from engine.kernels.paged_cache import PagedKVCache, _to_device
 from engine.kernels.pdl import launch_opts, pdl_enter
 
-__all__ = ["PagedKVCache", "kv_write", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["PagedKVCache", "decode_splits", "decode_tiles", "kv_write", "paged_decode_attention",
+           "paged_decode_attention_reference"]
 
 
 # ------------------------------------------------------------- decode kernels
 @triton.jit
+def _decode_tile(acc, l_i, m_i, n0, end, q, q_down, row_scale, q_pos, seq, kvh, window, kc_ptr, vc_ptr, kcs_ptr,
+                 vcs_ptr, bt_ptr, s_bt, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sv_d, sks_blk, sks_h, sks_t,
+                 svs_blk, svs_h, svs_t, svs_g, MASKED: tl.constexpr, PAGE: tl.constexpr, DQ: tl.constexpr,
+                 DV: tl.constexpr, DQ_P: tl.constexpr, DV_P: tl.constexpr, BN: tl.constexpr,
+                 HAS_SCALES: tl.constexpr, V_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 COMPUTE: tl.constexpr, PV_DTYPE: tl.constexpr, FP32_QK: tl.constexpr, PAGE_TILE: tl.constexpr,
+                 QK_F16: tl.constexpr, V_ON_P: tl.constexpr, PV_F16: tl.constexpr):
+    """One BN-key tile [n0, n0 + BN) of `_paged_decode_kernel` (n0 BN-aligned): scores, online softmax and
+    PV into (acc, l_i, m_i). MASKED=False: every key of the tile is below `end` and visible to every row
+    (no token masks: unmasked vector loads; the same values, so the same bits, as the masked step)."""
+    dq = tl.arange(0, DQ_P)
+    dv = tl.arange(0, DV_P)
+    t = n0 + tl.arange(0, BN)
+    if MASKED:
+        tmask = t < end
+    else:
+        tmask = tl.full((BN,), 1, tl.int1)  # all true (a splat: uniform along the tokens); no token masks
+    if PAGE_TILE:
+        page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE).to(tl.int64)  # scalar
+        slot = tl.multiple_of(n0 % PAGE, BN) + tl.arange(0, BN)  # tiles start BN-aligned (lo and chunk are)
+    else:
+        page = tl.load(bt_ptr + seq * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)  # (BN,)
+        slot = t % PAGE
+    k_rows = page * sk_blk + kvh * sk_h + slot * sk_t  # (BN,) element offsets of each token's row
+    v_rows = page * sv_blk + kvh * sv_h + slot * sv_t
+    vs_rows = page * svs_blk + kvh * svs_h + slot * svs_t
+    dmask = dq[None, :] < DQ
+    vmask = dv[None, :] < DV
+    if MASKED:  # (dimension-major V: the token mask splits this tile's V loads into byte loads; one tile per split)
+        dmask = tmask[:, None] & dmask
+        vmask = tmask[:, None] & vmask
+    k = tl.load(kc_ptr + k_rows[:, None] + dq[None, :], mask=dmask, other=0.0)
+    if QK_F16:
+        s = _qk(q, k.to(tl.float16), False) * q_down[:, None]  # (BM, BN)
+    else:
+        s = _qk(q, k.to(COMPUTE), FP32_QK)
+    if HAS_SCALES:
+        if MASKED:
+            ks = tl.load(kcs_ptr + page * sks_blk + kvh * sks_h + slot * sks_t, mask=tmask, other=1.0)
+        else:
+            ks = tl.load(kcs_ptr + page * sks_blk + kvh * sks_h + slot * sks_t)
+        s = s * ks[None, :]
+    s = s * row_scale[:, None]
+    if MASKED:
+        vis = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
+        if HAS_WINDOW:
+            vis = vis & (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+    else:  # always true here; the select keeps the compiler from fusing the scaling into exp2's subtraction
+        s = _keep_rounded(s, t[None, :] <= q_pos[:, None])
+    p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, True)
+    if V_ON_P:
+        v = tl.load(vc_ptr + v_rows[:, None] + dv[None, :] * sv_d, mask=vmask, other=0.0)
+        if MASKED:
+            vsc = tl.load(vcs_ptr + vs_rows, mask=tmask, other=1.0)  # (BN,)
+        else:
+            vsc = tl.load(vcs_ptr + vs_rows)
+        if PV_F16:
+            wp = (p * vsc[None, :]).to(tl.bfloat16).to(tl.float32)  # the bf16 weights of the bf16 path
+            e = ((tl.max(wp, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max)
+            sh = tl.minimum(tl.maximum(14 - e, -126), 126)
+            wp = (wp * ((sh + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+            pv = tl.dot(wp, v.to(tl.float16)) * ((127 - sh) << 23).to(tl.float32, bitcast=True)[:, None]
+        else:
+            pv = tl.dot((p * vsc[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
+    else:
+        v = _load_v(vc_ptr + v_rows[:, None] + dv[None, :] * sv_d, vcs_ptr + vs_rows, svs_g, tmask,
+                    HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
+        pv = tl.dot(p.to(PV_DTYPE), v)
+    return acc * alpha[:, None] + pv, l_i, m_i
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr, seq_ptr, slen_ptr, qpos_ptr,
                          pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr,
                          sqb, sqh, sqt, sqd, sqsb, sqsh, sqst, s_bt, s_qp,
-                         sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t,
+                         sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sv_d, sks_blk, sks_h, sks_t,
                          svs_blk, svs_h, svs_t, svs_g,
                          HKV, GROUP, TQ, NSPLIT, qk_scale, window,
                          PAGE: tl.constexpr, DQ: tl.constexpr, DV: tl.constexpr, DQ_P: tl.constexpr,
@@ -55,6 +129,10 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     """Grid (batch*kv_heads, row blocks, splits). Rows r = g*TQ + i pack the GROUP query heads sharing one KV
     head (times tq queries) into one tile; the split takes an equal share (whole BN tiles, BN-aligned) of the
     keys [lo, hi) its rows can see and writes partial (max, sum, unnormalised acc) for the reduce kernel.
+    Tiles that every row sees whole run `_decode_tile` without token masks (16-byte vector loads of K and
+    of dimension-major V; the masked loads of a token-contiguous V tile compile to byte loads); the few
+    tiles at the window's start and at the split's / causal end run masked. V is addressed through
+    (sv_t, sv_d), so both page layouts of `PagedKVCache` (`v_layout`) use this kernel.
 
     PAGE_TILE (BN <= PAGE): an aligned tile lies in one page: one block-table read per tile, contiguous slots.
     QK_F16 (FP8 K, bf16 / FP8 q): each q row is scaled by a power of two into fp16 range and K is widened to
@@ -94,6 +172,7 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
         q_down = ((127 - sh) << 23).to(tl.float32, bitcast=True)  # (BM,) 2**-sh
     else:
         q = q.to(COMPUTE)
+        q_down = tl.full((BM,), 1.0, tl.float32)  # unused
     row_scale = tl.full((BM,), qk_scale, tl.float32)
     if HAS_QS:
         row_scale = row_scale * tl.load(qs_ptr + b.to(tl.int64) * sqsb + head.to(tl.int64) * sqsh + i * sqst,
@@ -110,48 +189,30 @@ def _paged_decode_kernel(q_ptr, qs_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr, bt_ptr
     acc = tl.zeros((BM, DV_P), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
-    for n0 in range(start, end, BN):
-        t = n0 + tl.arange(0, BN)
-        tmask = t < end
-        if PAGE_TILE:
-            page = tl.load(bt_ptr + seq * s_bt + n0 // PAGE).to(tl.int64)  # scalar
-            slot = n0 % PAGE + tl.arange(0, BN)
-        else:
-            page = tl.load(bt_ptr + seq * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)  # (BN,)
-            slot = t % PAGE
-        k_rows = page * sk_blk + kvh * sk_h + slot * sk_t  # (BN,) element offsets of each token's row
-        v_rows = page * sv_blk + kvh * sv_h + slot * sv_t
-        k = tl.load(kc_ptr + k_rows[:, None] + dq[None, :], mask=tmask[:, None] & (dq[None, :] < DQ), other=0.0)
-        if QK_F16:
-            s = _qk(q, k.to(tl.float16), False) * q_down[:, None]  # (BM, BN)
-        else:
-            s = _qk(q, k.to(COMPUTE), FP32_QK)
-        if HAS_SCALES:
-            ks = tl.load(kcs_ptr + page * sks_blk + kvh * sks_h + slot * sks_t, mask=tmask, other=1.0)
-            s = s * ks[None, :]
-        s = s * row_scale[:, None]
-        vis = (t[None, :] <= q_pos[:, None]) & tmask[None, :]
-        if HAS_WINDOW:
-            vis = vis & (t[None, :] > q_pos[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i, True)
-        vs_rows = page * svs_blk + kvh * svs_h + slot * svs_t
-        if V_ON_P:
-            v = tl.load(vc_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
-            vsc = tl.load(vcs_ptr + vs_rows, mask=tmask, other=1.0)  # (BN,)
-            if PV_F16:
-                wp = (p * vsc[None, :]).to(tl.bfloat16).to(tl.float32)  # the bf16 weights of the bf16 path
-                e = ((tl.max(wp, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max)
-                sh = tl.minimum(tl.maximum(14 - e, -126), 126)
-                wp = (wp * ((sh + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-                pv = tl.dot(wp, v.to(tl.float16)) * ((127 - sh) << 23).to(tl.float32, bitcast=True)[:, None]
+    # tiles every row sees whole (causal and window): no token masks, so K and V (dim-major V pages: tokens
+    # contiguous) load as 16-byte vectors; masked tiles before (window) and after (the split's or the causal end)
+    full_end = start + tl.maximum(tl.minimum(end, tl.min(tl.where(rmask, q_pos, 2147483647)) + 1) - start, 0) // BN * BN
+    a = start
+    if HAS_WINDOW:
+        # the first tile every row's window covers; clamped into [start, max(start, end)] (a split past the
+        # keys has end < start: every loop is empty)
+        a = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(tl.max(tl.where(rmask, q_pos, -1)) - window + 1, 0), BN) * BN,
+                                  end), start)
+        full_end = tl.maximum(full_end, a)
+    for phase in tl.static_range(3):  # [start, a) masked (window only), [a, full_end) unmasked, [full_end, end)
+        if phase != 0 or HAS_WINDOW:
+            if phase == 0:
+                lo_p, hi_p = start, a
+            elif phase == 1:
+                lo_p, hi_p = a, full_end
             else:
-                pv = tl.dot((p * vsc[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
-        else:
-            v = _load_v(vc_ptr + v_rows[:, None] + dv[None, :], vcs_ptr + vs_rows, svs_g, tmask,
-                        HAS_SCALES, V_GROUPS, DV, DV_P, PV_DTYPE)
-            pv = tl.dot(p.to(PV_DTYPE), v)
-        acc = acc * alpha[:, None] + pv
+                lo_p, hi_p = full_end, end
+            for n0 in range(lo_p, hi_p, BN):
+                acc, l_i, m_i = _decode_tile(
+                    acc, l_i, m_i, n0, end, q, q_down, row_scale, q_pos, seq, kvh, window, kc_ptr, vc_ptr, kcs_ptr,
+                    vcs_ptr, bt_ptr, s_bt, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sv_d, sks_blk, sks_h, sks_t,
+                    svs_blk, svs_h, svs_t, svs_g, phase != 1, PAGE, DQ, DV, DQ_P, DV_P, BN, HAS_SCALES, V_GROUPS,
+                    HAS_WINDOW, COMPUTE, PV_DTYPE, FP32_QK, PAGE_TILE, QK_F16, V_ON_P, PV_F16)
     if DIRECT:  # one split: the reduce's sum_s w_s acc_s / sum_s w_s l_s with the single weight w = 1, exactly
         orow = (b * TQ + i) * (HKV * GROUP) + head  # (BM,) rows of the output viewed as (B*TQ*H, DV)
         _store_output(acc / l_i[:, None], orow, rmask, 0, out_ptr, hp_ptr, osc_ptr, DV, DV, DV_P, OUT_MODE,
@@ -196,7 +257,7 @@ def _decode_reduce_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr, H,
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr,
                      T, s_bt, MAX_BLOCKS, TRASH, skb, skh, skt, skd, svb, svh, svt, svd,
-                     sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
+                     sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sv_d, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
                      PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
                      GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
                      K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False,
@@ -230,7 +291,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
     y = tl.load(v_ptr + b.to(tl.int64) * svb + h * svh + tok[:, None] * svt + dv[None, :] * svd, mask=vmask,
                 other=0.0).to(tl.float32)
     koff = page[:, None] * sk_blk + h * sk_h + slot[:, None] * sk_t + dk[None, :]
-    voff = page[:, None] * sv_blk + h * sv_h + slot[:, None] * sv_t + dv[None, :]
+    voff = page[:, None] * sv_blk + h * sv_h + slot[:, None] * sv_t + dv[None, :] * sv_d
     if FP8:
         if K_PER_HEAD:
             amax = tl.full((BT,), 0.0, tl.float32) + tl.load(kamax_ptr + h)
@@ -274,7 +335,7 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
     _kv_write_kernel[(b, triton.cdiv(t, bt), h)](
         k, v, kamax, cache.block_tables, sid, st, kc, vc, kcs, vcs,
         t, cache.block_tables.stride(0), cache.max_blocks_per_seq, cache.trash,
-        *k.stride(), *v.stride(), *kc.stride()[:3], *vc.stride()[:3],
+        *k.stride(), *v.stride(), *kc.stride()[:3], *vc.stride()[:4],
         *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
@@ -305,23 +366,33 @@ def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos)
     return ids.contiguous(), lens.contiguous(), qp
 
 
+def decode_tiles(cache: PagedKVCache) -> tuple[int, int]:
+    """Default (num_warps, num_stages) of the paged decode kernel for this cache. FP8 pages (dimension-major
+    V): 2 warps, 5 stages; the H200 sweeps (benchmarks/results/h200-2026-11-29-session8/probe_attn*.txt, batch
+    8 x 32K) have 3.29 TB/s with 8 splits against 2.43 for 4 warps, 2.93 for 2 warps x 4 stages and about
+    3.0-3.2 for 1 warp. Other caches keep 4 warps, 5 stages (bf16 8 x 32K: 3.16 TB/s, session 6)."""
+    return (2, 5) if cache.fp8 else (4, 5)
+
+
 def decode_splits(sms: int, batch: int, kv_heads: int, context: int, block_n: int, row_blocks: int = 1,
-                  cap: int = 128) -> int:
-    """Default split count of the paged decode kernel: about 2 programs per SM over batch x kv_heads x
-    row_blocks, rounded down (a ceiling spills a few programs into a second wave), at most one split per
-    block_n tile of `context`, at most `cap`. The H200 sweep (benchmarks/results/h200-2026-11-29-session3/
-    tune_attention.txt) has 4 splits of batch 8 x 8 KV heads at 1.92 TB/s vs 1.90 for 8 and 1.74 for 48: with
-    5 pipeline stages fewer, longer programs win; a short context gets several one-tile splits instead of one
-    serial program per KV head (batch 1 x 136 tokens: 3 splits 5.9 us vs 1 split 9.5 us per launch,
-    benchmarks/results/h200-2026-11-29-session6/probe_small3.txt)."""
-    return max(1, min((2 * sms) // max(1, batch * kv_heads * row_blocks), triton.cdiv(context, block_n), cap))
+                  cap: int = 128, num_warps: int = 4) -> int:
+    """Default split count of the paged decode kernel: about 8 warps' worth of programs per SM (2 programs of
+    4 warps, 4 of 2) over batch x kv_heads x row_blocks, rounded down (a ceiling spills a few programs into
+    another wave), at most one split per block_n tile of `context`, at most `cap`. H200 sweeps: 4 warps,
+    batch 8 x 8 KV heads: 4 splits 1.92 TB/s vs 1.90 for 8 and 1.74 for 48
+    (benchmarks/results/h200-2026-11-29-session3/tune_attention.txt); 2 warps (FP8 pages): 8 splits 3.29
+    TB/s, 16 3.19, 4 2.68 (benchmarks/results/h200-2026-11-29-session8/probe_attn_fine.txt). A short context
+    gets several one-tile splits instead of one serial program per KV head (batch 1 x 136 tokens: 3 splits
+    5.9 us vs 1 split 9.5 us per launch, benchmarks/results/h200-2026-11-29-session6/probe_small3.txt)."""
+    per_sm = max(1, 8 // max(1, num_warps))
+    return max(1, min((per_sm * sms) // max(1, batch * kv_heads * row_blocks), triton.cdiv(context, block_n), cap))
 
 
 def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq_lens=None, *, seq_ids=None,
                            q_pos=None, scale: Optional[float] = None, sliding_window: Optional[int] = None,
                            q_scale=None, block_n: int = 64, num_splits: Optional[int] = None,
                            out_dtype: torch.dtype = torch.float32, out_quant: Optional[str] = None,
-                           return_hp: bool = False, num_warps: int = 4, num_stages: int = 5,
+                           return_hp: bool = False, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                            qk_fp16: Optional[bool] = None, fold_v_scale: Optional[bool] = None,
                            maxnreg: Optional[int] = None, out_round: Optional[str] = None,
                            pv_fp16: Optional[bool] = None, direct: Optional[bool] = None):
@@ -332,10 +403,11 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     whose first seq_lens[b] tokens (default: cache.seq_lens) are the keys at positions 0..len-1; the
     queries sit at q_pos (tq,) or (batch, tq) (default: the last tq positions, len-tq..len-1), causal
     by position, optional sliding window. block_n: keys per tile (any page size); num_splits: programs
-    per (sequence, kv_head) (default: about 4 programs per SM in one wave, rounded down; fix it for
-    CUDA graphs). Tuning knobs (see `_paged_decode_kernel`; benchmarks/tune_kernels.py sweeps them):
-    block_n, num_splits, num_warps, num_stages; maxnreg (registers per thread: at 4 warps the decode
-    kernel takes all 255 without it, i.e. 2 programs per SM; 128 allows 4 without spills on sm_90);
+    per (sequence, kv_head) (default `decode_splits`: about 8 warps' worth of programs per SM, rounded
+    down; fix it for CUDA graphs). Tuning knobs (see `_paged_decode_kernel`; benchmarks/tune_kernels.py
+    and benchmarks/probe_kernels.py --only attn sweep them): block_n, num_splits, num_warps and
+    num_stages (default `decode_tiles`: 2 warps / 5 stages for FP8 pages, 4 / 5 otherwise); maxnreg
+    (registers per thread);
     qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q), fold_v_scale (default: on for an FP8
     cache with one V scale per token, head_dim_v <= 128) and pv_fp16 (default: on with fold_v_scale;
     H200, 8 x 32K: 1.86 -> 1.94 TB/s, benchmarks/results/h200-2026-11-29-session5), all ignored where
@@ -367,9 +439,11 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     group = h // hkv
     bm = min(64, _pow2(group * tq))
     n_mb = triton.cdiv(group * tq, bm)
+    dw, ds = decode_tiles(cache)
+    num_warps, num_stages = num_warps or dw, num_stages or ds
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = decode_splits(sms, b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb)
+        num_splits = decode_splits(sms, b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb, num_warps=num_warps)
     direct = num_splits == 1 if direct is None else bool(direct)
     if direct and num_splits != 1:
         raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, "
@@ -391,7 +465,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     args = (q, qs if qs is not None else pm, kc, vc, kcs if kcs is not None else pm, vcs if vcs is not None else pm,
             cache.block_tables, ids, lens, qp, pm, pl, pacc, out, hp, osc,
             *q.stride(), *_strides(qs, 3), cache.block_tables.stride(0), qp.stride(0),
-            *kc.stride()[:3], *vc.stride()[:3], *_strides(kcs, 3), *_strides(vcs, 4),
+            *kc.stride()[:3], *vc.stride()[:4], *_strides(kcs, 3), *_strides(vcs, 4),
             hkv, group, tq, num_splits, qk_scale, sliding_window or 0)
     kwargs = dict(PAGE=cache.block_size, DQ=dq, DV=dv, DQ_P=_pow2(dq), DV_P=_pow2(dv), BM=bm, BN=block_n,
                   HAS_QS=qs is not None, HAS_SCALES=cache.fp8, V_GROUPS=cache.v_groups,
