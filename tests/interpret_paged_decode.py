@@ -1,0 +1,78 @@
+"""Run the paged FP8 decode kernel's GPU tests on the CPU under the Triton interpreter (a helper script).
+
+    TRITON_INTERPRET=1 python tests/interpret_paged_decode.py [check ...]
+
+`tests/test_paged_decode_interpreter.py` runs it in a subprocess (the interpreter is chosen when the kernels
+are decorated, so it needs a fresh process). The checks are tests of `tests/test_attention_gpu.py` whose
+assertions hold in the interpreter: decode vs the FP32 reference, both V page layouts bit for bit, splits
+past a short sequence's keys, the direct single-split path, NaN propagation. (Not those comparing FP8 bits
+with the formats library, nor NaN bytes read past a sequence's end: the interpreter's FP8 casts differ
+from the GPU's.)
+
+Numpy >= 2 refuses int() of a one-element 1-d array, which is how the interpreter turns a loop bound
+computed in the kernel (`range(start, end, BN)` with tensor bounds) into a Python int; the script makes
+that conversion take the single element. Exit status 0: every check passed ("ok NAME" lines); 3: the
+interpreter lacks the hook this relies on (the caller skips); anything else: a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+CHECKS = {
+    "v_layouts": ("test_paged_decode_v_layouts_bit_identical", ()),
+    "nan_in_v": ("test_paged_decode_nan_in_v_propagates", ()),
+    "direct_fp8": ("test_paged_decode_direct_single_split_is_the_reduce_bit_for_bit", (True,)),
+}
+
+
+def _allow_tensor_loop_bounds() -> bool:
+    """Make the interpreter's tensor.__index__ accept one-element arrays; False if its hook is missing."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    patch = getattr(interp, "_patch_lang_tensor", None)
+    if patch is None:
+        return False
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    return True
+
+
+def main(names: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    if not _allow_tensor_loop_bounds():
+        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
+        return 3
+    root = Path(__file__).resolve().parent
+    sys.path[:0] = [str(root.parent), str(root)]
+    import test_attention_gpu as t
+
+    t.DEV = "cpu"
+    failed = 0
+    for name in names or list(CHECKS):
+        fn, args = CHECKS[name]
+        t0 = time.time()
+        try:
+            getattr(t, fn)(*args)
+        except Exception:  # noqa: BLE001 -- report every check, then fail
+            traceback.print_exc()
+            print(f"FAILED {name}", flush=True)
+            failed += 1
+            continue
+        print(f"ok {name} ({time.time() - t0:.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
