@@ -257,7 +257,8 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
     """Paged FP8 decode attention: flags, tiles, splits."""
     from benchmarks.bench_attention import fill_cache
     from benchmarks.bench_gemm import time_us
-    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention, paged_decode_attention_reference
+    from engine.kernels.paged_kv import (PagedKVCache, decode_splits, decode_tiles, paged_decode_attention,
+                                         paged_decode_attention_reference)
 
     h, hkv, dh, page = 32, 8, 128, 64
     log.say(f"\n## paged decode attention, FP8 KV, batch {b} x {ctx} context, {h}/{hkv} heads, d {dh}, page {page} "
@@ -314,7 +315,9 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
     tiles = []  # each tile config at the default split count and at 16 / 32 (more resident programs per SM)
     for bn, nw, st, mr in [(64, 4, 3, 128), (64, 4, 5, None), (64, 4, 5, 128), (64, 4, 5, 96), (64, 4, 6, 96),
                            (64, 8, 5, 128), (64, 8, 3, 128), (32, 4, 4, 96), (32, 4, 6, 96), (32, 4, 6, 64),
-                           (128, 4, 3, 128), (128, 4, 5, 96), (128, 8, 5, 128), (16, 4, 6, None)]:
+                           (128, 4, 3, 128), (128, 4, 5, 96), (128, 8, 5, 128), (16, 4, 6, None),
+                           (64, 2, 5, None), (64, 2, 4, None), (128, 2, 4, None), (64, 1, 4, None),
+                           (32, 1, 6, None)]:  # 2 / 1 warps: the session-8 default region (probe_kernels attn)
         cfg = dict(block_n=bn, num_warps=nw, num_stages=st, **({"maxnreg": mr} if mr else {}), **fcfg)
         for ns in (None, 16, 32):
             tiles.append(run(cfg if ns is None else dict(cfg, num_splits=ns)))
@@ -326,8 +329,8 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
             tops.append(key)
         if len(tops) == 3:
             break
-    log.say(f"  -- more num_splits for the best {len(tops)} (default: (4 * {sms} SMs) // ({b} x {hkv}) = "
-            f"{max(1, 4 * sms // (b * hkv))})")
+    log.say(f"  -- more num_splits for the best {len(tops)} (default `decode_splits`: "
+            f"{decode_splits(sms, b, hkv, ctx, 64, num_warps=decode_tiles(cache)[0])} for the default tiles)")
     splits = []
     for cfg in tops:
         for ns in (4, 12, 24, 48, 64):

@@ -1,7 +1,8 @@
 """Triton kernels of the paged KV cache: paged decode attention (split-K) and the fused cache write.
 
 `paged_decode_attention` reads the pages and scales of `PagedKVCache`
-(`engine.kernels.paged_cache`) directly through the block table: each
+(`engine.kernels.paged_cache`; V pages token- or dimension-major, its
+`v_layout`, through strides) directly through the block table: each
 (sequence, kv_head) context is split over `num_splits` programs
 (flash-decoding: partial max, sum and unnormalised accumulator per split) and
 a small second kernel merges the splits. Numerics as in
