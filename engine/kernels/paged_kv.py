@@ -69,7 +69,7 @@ def _decode_tile(acc, l_i, m_i, n0, end, q, q_down, row_scale, q_pos, seq, kvh, 
     vs_rows = page * svs_blk + kvh * svs_h + slot * svs_t
     dmask = dq[None, :] < DQ
     vmask = dv[None, :] < DV
-    if MASKED:  # (dimension-major V: the token mask splits this tile's V loads into byte loads; one tile per split)
+    if MASKED:  # dimension-major V: the token mask splits these V loads into byte loads (the few edge tiles)
         dmask = tmask[:, None] & dmask
         vmask = tmask[:, None] & vmask
     k = tl.load(kc_ptr + k_rows[:, None] + dq[None, :], mask=dmask, other=0.0)
@@ -371,7 +371,8 @@ def decode_tiles(cache: PagedKVCache) -> tuple[int, int]:
     """Default (num_warps, num_stages) of the paged decode kernel for this cache. FP8 pages (dimension-major
     V): 2 warps, 5 stages; the H200 sweeps (benchmarks/results/h200-2026-11-29-session8/probe_attn*.txt, batch
     8 x 32K) have 3.29 TB/s with 8 splits against 2.43 for 4 warps, 2.93 for 2 warps x 4 stages and about
-    3.0-3.2 for 1 warp. Other caches keep 4 warps, 5 stages (bf16 8 x 32K: 3.16 TB/s, session 6)."""
+    3.0-3.2 for 1 warp. Other caches keep 4 warps, 5 stages (bf16 8 x 32K: 3.94 TB/s against 3.36 for
+    2 warps, session 8 bench_attention.txt)."""
     return (2, 5) if cache.fp8 else (4, 5)
 
 
