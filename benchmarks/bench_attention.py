@@ -4,8 +4,9 @@
 
 * Paged decode attention, batch x context tokens, Llama-3-8B-shaped (32 query heads, 8 KV heads,
   head_dim 128), one query per sequence: FP8 KV (E4M3, per-head K scales, 1x128 V scales; V pages
-  dimension-major, the default, and token-major) and bf16 KV, a few tile / split configurations each. Reports microseconds and TB/s of KV bytes read (data + scales)
-  next to the HBM copy bandwidth (1 GiB clone, read + write) measured here, plus
+  dimension-major, the default, and token-major) and bf16 KV, a few tile / split configurations each.
+  Reports microseconds and TB/s of KV bytes read (data + scales) next to the HBM copy bandwidth
+  (1 GiB clone, read + write) measured here, plus
   torch scaled_dot_product_attention on contiguous bf16 K/V as a baseline.
 * Prefill flash attention, batch x 32 heads x prefill-len x 128, causal: TFLOP/s (causal FLOPs =
   2 * 2 * b * h * t * t * d / 2) for bf16 and FP8 inputs next to torch SDPA bf16 (flash backend).

@@ -495,8 +495,8 @@ def probe_attention(copy_tbs: float, sweep: str = "wide") -> None:
     ref = paged_decode_attention_reference(q, caches["token"], 0)
     kvb = caches["token"].kv_bytes(b * ctx)
     base = paged_decode_attention(q, caches["token"], 0, block_n=64, num_warps=4, num_stages=5, num_splits=4)
-    print(f"\n## sweep {sweep!r}; the comparison base: token-major, block_n 64, 4 warps, 5 stages, 4 splits")
-    print(f"\n## paged FP8 decode attention {b} x {ctx}, V page layouts x tiles (TB/s of KV bytes; target 2.5)")
+    print(f"\n## paged FP8 decode attention {b} x {ctx}, V page layouts x tiles (TB/s of KV bytes; target 2.5); "
+          f"sweep {sweep!r}; the comparison base: token-major, block_n 64, 4 warps, 5 stages, 4 splits")
     print("   layout block_n warps stages splits maxnreg       us   TB/s  % copy  err vs fp32  == token default")
     tiles = ATTN_SWEEPS[sweep]
     runs = [("token", t) for t in [(64, 4, 5, 4, None), (64, 2, 5, 8, None), (32, 1, 4, 16, None)]]

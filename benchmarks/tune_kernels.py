@@ -46,6 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.kernels import sm_count  # noqa: E402
+
 REPS = 30
 WARMUP = 3
 SECTIONS = ("quant", "attention", "gemm")
@@ -58,11 +60,6 @@ def _sync() -> None:
     """Wait for the device (no-op off CUDA)."""
     if torch.device(DEVICE).type == "cuda":
         torch.cuda.synchronize()
-
-
-def _sm_count() -> int:
-    """SMs of the device (4 off CUDA, like the kernels' interpreter fallback)."""
-    return torch.cuda.get_device_properties(0).multi_processor_count if torch.device(DEVICE).type == "cuda" else 4
 
 
 def _device_name() -> str:
@@ -278,7 +275,7 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
         log.say(f"  setup FAILED {type(exc).__name__}: {exc}")
         return
     kv_bytes = cache.kv_bytes(b * ctx)
-    sms = _sm_count()
+    sms = sm_count(torch.device(DEVICE))
 
     def rel(a, r):
         return ((a.float() - r).abs().max() / r.abs().max()).item()

@@ -21,20 +21,14 @@ sweep it and the invariance eval can compare two configurations.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import torch
 
 from engine.api import Engine
+from engine.kernels import sm_count
 
 KV_BLOCK_SIZES = (16, 32, 64, 128, 256)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _PAGED_K = ("e4m3:head", "e4m3:token")
@@ -190,7 +184,7 @@ class PagedRuntime:
             return self.num_splits
         from engine.kernels.paged_kv import decode_splits, decode_tiles
 
-        return decode_splits(_sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64,
+        return decode_splits(sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64,
                              num_warps=decode_tiles(self.kv)[0])
 
     # ----------------------------------------------------------------- steps

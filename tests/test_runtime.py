@@ -79,7 +79,7 @@ def test_decode_split_count_policy(tiny, monkeypatch):
     assert rt.splits_for(1) == 5 and rt.splits_for(64) == 5
     rt.num_splits = None
     monkeypatch.setattr(rt, "device", torch.device("cuda"))
-    monkeypatch.setattr(R, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(R, "sm_count", lambda device: 132)
     hkv, tiles = rt.kv.kv_heads, 1024 // rt.attn_block
     for b in (1, 2, 4, 64, 10_000):
         assert rt.splits_for(b) == max(1, min(64, tiles, 264 // (b * hkv)))

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels import sm_count
 from engine.kernels.quant import _round_bf16
 from engine.kernels.pdl import l2_prefetch, launch_opts, pdl_enter
 
@@ -358,14 +359,6 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_type: str, index: Optional[int]) -> int:
-    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter, to exercise split-K)."""
-    if device_type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
-
-
 def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) by M: decode tiles (BM the next power of two >= M, >= 16:
     the MMA's N side) up to M = 64, large square tiles above."""
@@ -388,7 +381,7 @@ def _plan_split(m: int, n: int, steps: int, bm: int, bn: int, device: torch.devi
     """(splits, K steps per split), with no empty split."""
     if split_k is None:
         tiles = _cdiv(n, bn) * _cdiv(m, bm)
-        split_k = _split_k(tiles, steps, _sm_count(device.type, device.index)) if m <= 64 else 1
+        split_k = _split_k(tiles, steps, sm_count(device)) if m <= 64 else 1
     per = _cdiv(steps, max(1, min(split_k, steps)))
     return _cdiv(steps, per), per
 

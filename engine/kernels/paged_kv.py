@@ -32,6 +32,7 @@ from engine.kernels.attention import (LOG2E, _check_dtype, _compute_types, _e4m3
                                       _finish, _keep_rounded, _launch, _load_v, _out_buffers, _pow2, _qk, _scale_view,
                                       _softmax_step, _store_e4m3, _store_e4m3_groups, _store_output, _strides,
                                       dequantize)
+from engine.kernels import sm_count
 from engine.kernels.paged_cache import PagedKVCache, _to_device
 from engine.kernels.pdl import launch_opts, pdl_enter
 
@@ -444,8 +445,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     dw, ds = decode_tiles(cache)
     num_warps, num_stages = num_warps or dw, num_stages or ds
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = decode_splits(sms, b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb, num_warps=num_warps)
+        num_splits = decode_splits(sm_count(dev), b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb, num_warps=num_warps)
     direct = num_splits == 1 if direct is None else bool(direct)
     if direct and num_splits != 1:
         raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, "

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import sm_count
 from engine.kernels.pdl import launch_opts, pdl_enter
 
 GROUP = 128
@@ -417,11 +418,6 @@ def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.data, q.scale
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (4 for the CPU interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: bool = False,
                   single_pass: bool | None = None, *, mode: str | None = None, bm: int | None = None,
                   gb: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -508,7 +504,7 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
     if not (rows and k):
         return
     if mode == "persistent":
-        progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * _sm_count(x.device)))
+        progs = max(1, min(rows, (programs_per_sm or d["programs_per_sm"]) * sm_count(x.device)))
         _rmsnorm_quant_persistent_kernel[(progs,)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, G=triton.next_power_of_2(groups), STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
