@@ -1,6 +1,6 @@
 """Probes for issue 4's remaining kernel gaps (H200): each prints achieved vs the copy ceiling of the same run.
 
-    python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,decode_tune,prefetch,small,pdl_ab,rms]
+    python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,...] [--flush dirty|clean]
 
 * gemm: the decode FP8 block GEMM at M = 1 / 16 on the Llama-3-8B decode shapes and the issue's three shapes:
   the production kernel (`fp8_block_linear`) vs a variant that streams the weight through a TMA tensor
@@ -11,6 +11,10 @@
 * prefetch: the M = 1 GEMV's L2 prefetch bytes per row, with and without programmatic dependent launch.
 * rms: RMSNorm+quant (persistent) with the fast division's check on / off, IEEE division, weight held or
   reloaded, over warps / programs per SM / stages.
+* decode_small_m / gemv_knobs: the production decode kernels' knobs at M = 4, 16 (split-K MMA) and M = 1 (GEMV)
+  on the issue's three shapes (use --flush clean: the state a decode step finds).
+* attn_short: paged FP8 decode attention at 140-token contexts (the e2e benchmark's), batch 1 and 8, both V page
+  layouts over warps / stages / splits, per launch in a CUDA graph.
 * pdl_ab: big-shape quant and decode-attention kernels with and without PDL launches.
 * small: single-row (decode) latency of the quantizing kernels in a CUDA graph; SwiGLU quantization variants.
 * prefill: cuBLAS blockwise 8192^3 through `scaled_mm_blockwise` (scales padded per call) vs `F.scaled_mm`
@@ -29,11 +33,18 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_gemm import fingerprint, fp8_block_operands, time_us  # noqa: E402
+from benchmarks.bench_gemm import fingerprint, fp8_block_operands, graph_us  # noqa: E402
+from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
 from engine.kernels.quant import _div_by_scale, _group_offsets, _quant_groups, _rstd, _tile_rows  # noqa: E402
 
 DEV = "cuda"
+FLUSH = "dirty"  # --flush
+
+
+def time_us(fn, **kw) -> float:
+    """`bench_gemm.time_us` with the probe run's --flush."""
+    return _time_us(fn, flush=FLUSH, **kw)
 
 
 @triton.jit
@@ -236,6 +247,74 @@ def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (2867
                 print(f"      best block_n={bn}: {b[0][0]:6.1f} us {b[0][1]}")
 
 
+ISSUE_SHAPES = ((28672, 4096), (4096, 14336), (7168, 16384))
+
+
+def probe_decode_small_m(copy_tbs: float, shapes=ISSUE_SHAPES, ms=(4, 16)) -> None:
+    """The production split-K MMA decode kernel (`fp8_block_gemm_triton`, fused reduce) at M = 4 and 16 over
+    block_n, splits and pipelines on the issue's shapes (us, TB/s of weight bytes, x bf16 cuBLAS), vs the default
+    dispatch (`fp8_block_linear`)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import gemm as G
+
+    print(f"\n## decode GEMM knob sweep at M = {ms}, production split-K kernel (flush {FLUSH})")
+    for n, k in shapes:
+        _, _, wd, ws = fp8_block_operands(1, n, k, seed=n)
+        w16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        wbytes = wd.numel() + ws.numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            x16 = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            t16 = time_us(lambda: F.linear(x16, w16), reps=30)
+            ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+            t0 = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=30)
+            res = []
+            for bn in (32, 64, 128):
+                for split in (1, 2, 3, 4, 6, 8):
+                    for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4)):
+                        if bn == 128 and stages > 4:
+                            continue
+                        cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
+                        _sweep_one(res, cfg, lambda cfg=cfg: G.fp8_block_gemm_triton(
+                            xd, xs, wd, ws, out_dtype=torch.float32, **cfg), ref)
+            print(f"  {n}x{k} M={m}: bf16 {t16:6.1f} us; default {t0:6.1f} us {wbytes / t0 / 1e6:5.2f} TB/s "
+                  f"{t16 / t0:4.2f}x bf16", flush=True)
+            _top(res, wbytes, copy_tbs, "default", n=5)
+            if res:
+                print(f"      best: {t16 / res[0][0]:4.2f}x bf16")
+        del wd, ws, w16
+
+
+def probe_gemv_knobs(copy_tbs: float, shapes=ISSUE_SHAPES) -> None:
+    """The production M = 1 GEMV (`_launch_gemv`, prefetch and PDL as in production) over rows per program, groups
+    per step, pipeline depth and warps (us, TB/s of weight bytes)."""
+    from engine.kernels import gemm as G
+
+    print(f"\n## M = 1 GEMV knob sweep, production kernel (flush {FLUSH})")
+    for n, k in shapes:
+        xd, xs, wd, ws = fp8_block_operands(1, n, k, seed=n)
+        wbytes = wd.numel() + ws.numel() * 4
+        ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        t0 = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=30)
+        res = []
+        for bn in (4, 8, 16):
+            for gk in (2, 4, 8):
+                for warps, stages in ((4, 2), (4, 3), (4, 4), (4, 5), (2, 3), (8, 3)):
+                    if bn * gk * 128 // (32 * warps) > 64:  # bytes of weight per thread per step
+                        continue
+                    cfg = dict(block_n=bn, groups=gk, num_stages=stages, num_warps=warps)
+
+                    def run(cfg=cfg):
+                        out = torch.empty((1, n), device=DEV, dtype=torch.float32)
+                        G._launch_gemv(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, **cfg)
+                        return out
+                    _sweep_one(res, cfg, run, ref)
+        print(f"  {n}x{k}: production {t0:6.1f} us {wbytes / t0 / 1e6:5.2f} TB/s", flush=True)
+        _top(res, wbytes, copy_tbs, "production", n=6)
+        del wd, ws
+
+
 def probe_prefetch(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
                                             (7168, 16384))) -> None:
     """The production M = 1 GEMV with 0 .. whole-row L2 prefetch per weight row (`GEMV_PREFETCH_BYTES`), launched
@@ -265,33 +344,6 @@ def probe_prefetch(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (28672, 
     finally:
         G.GEMV_PREFETCH_BYTES = old[0]
         pdl.set_enabled(old[1])
-
-
-def graph_us(fn, n: int = 64, reps: int = 20) -> float:
-    """Median microseconds per call of fn over CUDA-graph replays of n back-to-back calls (launch gaps included,
-    as in a captured decode step; PDL edges when the kernels are launched with it)."""
-    import statistics
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(ts)
 
 
 @triton.jit
@@ -366,6 +418,44 @@ def _probe_small_attention() -> None:
             print(f"  {str(cfg):40s} {graph_us(run):6.2f} us  rel diff vs default {err:.1e}", flush=True)
         except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
             print(f"  {cfg}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+
+
+def probe_attn_short(copy_tbs: float) -> None:
+    """Paged FP8 decode attention at the e2e benchmark's short contexts (140 tokens of 192-token capacity, 32 / 8
+    heads, pages of 64), called as the runtime calls it (bf16 query, bf16-rounded E4M3 1x128 output), batch 1 and
+    8, both V page layouts, over warps / stages / splits: us per launch in a CUDA graph, bits vs the first row."""
+    from benchmarks.bench_attention import fill_cache
+    from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
+
+    ctx, h, hkv, dh, page = 140, 32, 8, 128, 64
+    print(f"\n## paged FP8 decode attention at {ctx} tokens (runtime call; us per launch in a CUDA graph)")
+    for b in (1, 8):
+        caches = {}
+        for layout in ("token", "dim"):
+            caches[layout] = PagedKVCache(1, b * 3, page, hkv, dh, dtype=torch.float8_e4m3fn, max_seqs=b,
+                                          device=DEV, v_layout=layout)
+            fill_cache(caches[layout], b, ctx)
+        q = torch.randn(b, h, 1, dh, device=DEV, dtype=torch.bfloat16)
+        rows = dict(seq_ids=torch.arange(b, dtype=torch.int32, device=DEV),
+                    seq_lens=torch.full((b,), ctx, dtype=torch.int32, device=DEV),
+                    q_pos=torch.full((b, 1), ctx - 1, dtype=torch.int32, device=DEV))
+        ref = None
+        for layout in ("token", "dim"):
+            for warps, stages in ((4, 5), (2, 5), (4, 3), (8, 3), (1, 3)):
+                for splits in (1, 2, 3):
+                    kw = dict(num_warps=warps, num_stages=stages, num_splits=splits)
+
+                    def run(kw=kw, layout=layout):
+                        return paged_decode_attention(q, caches[layout], 0, out_quant="e4m3:1x128", out_round="bf16",
+                                                      return_hp=True, block_n=64, **rows, **kw)
+                    try:
+                        hp = run()[2]
+                        ref = hp if ref is None else ref
+                        err = ((hp - ref).abs().max() / ref.abs().max()).item()
+                        print(f"  b={b} {layout:5s} w{warps} s{stages} splits={splits}: {graph_us(run):6.2f} us  "
+                              f"rel diff {err:.1e}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                        print(f"  b={b} {layout} {kw}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
 
 
 def probe_pdl_ab(copy_tbs: float) -> None:
@@ -629,7 +719,11 @@ def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,attn,prefill")
+    ap.add_argument("--flush", default="dirty", choices=("dirty", "clean"),
+                    help="L2 flush before each timed rep (benchmarks.bench_gemm._evict_l2)")
     args = ap.parse_args()
+    global FLUSH
+    FLUSH = args.flush
     print(fingerprint())
     big = torch.empty(2 ** 29, dtype=torch.bfloat16, device=DEV)
     t = time_us(lambda: big.clone(), reps=20)
@@ -638,7 +732,8 @@ def main() -> int:
     print(f"HBM copy ceiling: {copy_tbs:.2f} TB/s")
     probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
               "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
-              "attn_fine": lambda c: probe_attention(c, "fine"),
+              "attn_fine": lambda c: probe_attention(c, "fine"), "attn_short": probe_attn_short,
+              "decode_small_m": probe_decode_small_m, "gemv_knobs": probe_gemv_knobs,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -254,7 +254,7 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
     """Paged FP8 decode attention: flags, tiles, splits."""
     from benchmarks.bench_attention import fill_cache
     from benchmarks.bench_gemm import time_us
-    from engine.kernels.paged_kv import (PagedKVCache, decode_splits, decode_tiles, paged_decode_attention,
+    from engine.kernels.paged_kv import (PagedKVCache, decode_plan, paged_decode_attention,
                                          paged_decode_attention_reference)
 
     h, hkv, dh, page = 32, 8, 128, 64
@@ -326,8 +326,8 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
             tops.append(key)
         if len(tops) == 3:
             break
-    log.say(f"  -- more num_splits for the best {len(tops)} (default `decode_splits`: "
-            f"{decode_splits(sms, b, hkv, ctx, 64, num_warps=decode_tiles(cache)[0])} for the default tiles)")
+    log.say(f"  -- more num_splits for the best {len(tops)} (default `decode_plan`: "
+            f"{decode_plan(cache, sms, b, ctx, 64)[2]} for the default tiles)")
     splits = []
     for cfg in tops:
         for ns in (4, 12, 24, 48, 64):

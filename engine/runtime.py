@@ -21,6 +21,7 @@ sweep it and the invariance eval can compare two configurations.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -34,7 +35,14 @@ KV_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FP8_PAGED_MAX_TQ = 16  # longest call that the Triton write + paged attention take on FP8 pages (see attend)
+# Longest call on FP8 pages that the Triton KV write + paged attention take; longer ones write through the
+# library quantizer and attend emulated. None: no limit. It was 16 from session 2 (a 64-token call hit an illegal
+# memory access, benchmarks/results/h200-2026-11-29-session2/suite_invariance_gpu.txt) to session 8; session 9
+# re-ran that suite uncapped and the prompts of up to 100 tokens of test_long_fp8_prompts_on_native_paged_kernels
+# on an H200 without an error (benchmarks/results/h200-2026-11-29-session9/) and lifted it. ENGINE_FP8_PAGED_MAX_TQ
+# sets a limit again, to bisect.
+_MAX_TQ = os.environ.get("ENGINE_FP8_PAGED_MAX_TQ")
+FP8_PAGED_MAX_TQ: Optional[int] = int(_MAX_TQ) if _MAX_TQ else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +101,10 @@ class _PagedView:
         rt, t = self.rt, q.shape[2]
         if rt.store_emulated:  # a KV format the pages do not hold natively: store the emulation's values
             k, v = nx.kv_store(k, "kv.k", module), nx.kv_store(v, "kv.v", module)
-        # Known defect (H200 run, benchmarks/results/h200-2026-11-29/): a 64-token write + paged attention over
-        # FP8 pages hit an illegal memory access; decode steps and short prompts are verified. Until it is
-        # fixed, multi-token calls on FP8 pages write through the library quantizer and attend emulated.
-        long_fp8 = rt.kv.fp8 and t > FP8_PAGED_MAX_TQ and rt.device.type == "cuda"
+        # FP8_PAGED_MAX_TQ (module constant): calls longer than it on FP8 pages take the library write and the
+        # emulated attention
+        long_fp8 = (FP8_PAGED_MAX_TQ is not None and rt.kv.fp8 and t > FP8_PAGED_MAX_TQ
+                    and rt.device.type == "cuda")
         rt.kv.write(layer, self.seq_ids, self.start, k, v, quantizer="library" if long_fp8 else None)
         if rt.native_attention and not long_fp8:
             from engine.kernels.paged_kv import paged_decode_attention
@@ -176,16 +184,15 @@ class PagedRuntime:
 
     def splits_for(self, batch: int) -> int | None:
         """Split count of the paged decode attention for a call on `batch` sequences: `num_splits` when set; on
-        CUDA the kernel's default policy (`decode_splits`) on the cache's capacity instead of each call's
+        CUDA the kernel's default policy (`decode_plan`) on the cache's capacity instead of each call's
         context, at most 64: a count fixed per batch size, eager and CUDA-graph steps alike (every replay of a
         batch's graph has the same grid, and gives the eager step's bits). None off CUDA (the emulated attention
         has no splits)."""
         if self.num_splits is not None or self.device.type != "cuda":
             return self.num_splits
-        from engine.kernels.paged_kv import decode_splits, decode_tiles
+        from engine.kernels.paged_kv import decode_plan
 
-        return decode_splits(sm_count(self.device), batch, self.kv.kv_heads, self._capacity, self.attn_block, cap=64,
-                             num_warps=decode_tiles(self.kv)[0])
+        return decode_plan(self.kv, sm_count(self.device), batch, self._capacity, self.attn_block, cap=64)[2]
 
     # ----------------------------------------------------------------- steps
     def _forward(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor,

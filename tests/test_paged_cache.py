@@ -58,3 +58,36 @@ def test_v_layout_defaults_and_prefix_copy():
     assert torch.equal(src[0], dst[0]) and torch.equal(src[1], dst[1])
     with pytest.raises(ValueError, match="v_layout 'row'"):
         PagedKVCache(1, 4, 16, 1, 64, device="cpu", v_layout="row")
+
+
+def _cache(dtype, kv_heads: int = 8) -> PagedKVCache:
+    return PagedKVCache(1, 4, 64, kv_heads, 128, dtype=dtype, max_seqs=1, device="cpu")
+
+
+@pytest.mark.parametrize("batch,context,want", [
+    (1, 192, (4, 3, 3)),       # 3 tiles over 3 splits: short walks, latency-bound -> 4 warps, 3 stages
+    (8, 192, (4, 3, 3)),       # the splits recomputed for 4 warps still cover the 3 tiles
+    (64, 192, (4, 3, 1)),      # one split of 3 tiles is still a short walk
+    (8, 32768, (2, 5, 8)),     # the session-8 long-context default: 4 programs of 2 warps per SM
+    (1, 4096, (4, 3, 33)),     # 2 warps: min(528 / 8, 64 tiles) = 64 one-tile splits -> 4 warps: 264 / 8 = 33
+    (32, 8192, (2, 5, 2)),     # 128 tiles over 2 splits: long walks
+])
+def test_decode_plan_fp8_short_and_long_contexts(batch, context, want):
+    """FP8 pages: splits by the 2-warp rule first; each split walking <= SHORT_TILES tiles gets 4 warps / 3 stages
+    and the splits again for 4 warps (132 SMs, 8 KV heads, block_n 64)."""
+    from engine.kernels.paged_kv import decode_plan
+
+    assert decode_plan(_cache(torch.float8_e4m3fn), 132, batch, context, 64) == want
+
+
+def test_decode_plan_keeps_given_knobs_and_bf16_tiles():
+    """Given splits / warps are kept (only the unset ones are chosen); non-FP8 pages keep 4 warps, 5 stages at
+    every context, with the 4-warp split rule."""
+    from engine.kernels.paged_kv import decode_plan, decode_splits
+
+    fp8, bf16 = _cache(torch.float8_e4m3fn), _cache(torch.bfloat16)
+    assert decode_plan(fp8, 132, 1, 192, 64, num_splits=1) == (4, 3, 1)
+    assert decode_plan(fp8, 132, 8, 32768, 64, num_splits=2) == (2, 5, 2)
+    assert decode_plan(fp8, 132, 1, 192, 64, num_warps=2) == (2, 3, 3)  # given warps, short-walk stages
+    for ctx in (192, 32768):
+        assert decode_plan(bf16, 132, 8, ctx, 64) == (4, 5, decode_splits(132, 8, 8, ctx, 64, num_warps=4))

@@ -80,3 +80,41 @@ def test_native_runtime_matches_emulated_generate(zoo, recipe):
         assert ker <= 2 * fmt + 1e-3, (fmt, ker)
     if recipe == "bf16":
         assert sum(o == w[0] for o, w in zip(outs, want)) >= 3
+
+
+@pytest.mark.parametrize("block,chunk", [(16, None), (64, 32)])
+def test_long_fp8_prompts_on_native_paged_kernels(zoo, monkeypatch, block, chunk):
+    """Prompts of 33-100 tokens on FP8 pages through the Triton KV write and paged attention -- the path that
+    `attend` sent through the library quantizer and the emulated attention (`FP8_PAGED_MAX_TQ` = 16) from a
+    session-2 illegal memory access (64-token calls, zoo-llama fp8-kv, batch 4) to session 8. Uncapped (the
+    default now): no CUDA error, and the prompt's last logits are as close to the capped path's as the
+    emulation is to fp32 (KL <= 2 KL(R||capped) + 1e-3, the bound of `test_native_runtime_matches_emulated_generate`:
+    the two differ only in the attention's accumulation order, which re-draws FP8 roundings downstream)."""
+    import engine.kernels.paged_kv as PK
+    import engine.runtime as R
+    from engine.api import Engine
+    from engine.runtime import PagedRuntime, ServingConfig
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 250, (n - 1,), generator=g).tolist() for n in (70, 33, 64, 100)]
+    cfg = ServingConfig(kv_block_size=block, max_batch=4, max_tokens=128, prefill_chunk=chunk)
+    eng, f32 = Engine(zoo, "fp8-kv", backend="cuda-native"), Engine(zoo, "fp32", backend="cuda-emulated")
+    monkeypatch.setattr(R, "FP8_PAGED_MAX_TQ", 16)  # the session-2..8 workaround
+    _, capped = PagedRuntime(eng, cfg).generate(prompts, 4, return_logits=True)
+    kernel, long_calls = PK.paged_decode_attention, []
+
+    def counting(q, *args, **kw):
+        long_calls.append(q.shape[2] > 16)
+        return kernel(q, *args, **kw)
+
+    monkeypatch.setattr(PK, "paged_decode_attention", counting)
+    monkeypatch.setattr(R, "FP8_PAGED_MAX_TQ", None)  # the default since session 9
+    _, native = PagedRuntime(eng, cfg).generate(prompts, 4, return_logits=True)
+    torch.cuda.synchronize()  # an illegal access surfaces here at the latest
+    assert any(long_calls), "no multi-token call reached the paged kernel"
+    for p, a, b in zip(prompts, capped, native):
+        assert torch.isfinite(b[0]).all()
+        r32 = f32.logits(torch.tensor([p]))[0, -1].cpu()
+        fmt, ker = _kl(r32, a[0]), _kl(a[0], b[0])
+        print(f"block {block} chunk {chunk} prompt of {len(p)}: KL(R||capped) {fmt:.2e} KL(capped||native) {ker:.2e}")
+        assert ker <= 2 * fmt + 1e-3, (len(p), fmt, ker)

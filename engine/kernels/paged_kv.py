@@ -368,13 +368,39 @@ def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos)
     return ids.contiguous(), lens.contiguous(), qp
 
 
-def decode_tiles(cache: PagedKVCache) -> tuple[int, int]:
-    """Default (num_warps, num_stages) of the paged decode kernel for this cache. FP8 pages (dimension-major
-    V): 2 warps, 5 stages; the H200 sweeps (benchmarks/results/h200-2026-11-29-session8/probe_attn*.txt, batch
-    8 x 32K) have 3.29 TB/s with 8 splits against 2.43 for 4 warps, 2.93 for 2 warps x 4 stages and about
-    3.0-3.2 for 1 warp. Other caches keep 4 warps, 5 stages (bf16 8 x 32K: 3.94 TB/s against 3.36 for
-    2 warps, session 8 bench_attention.txt)."""
-    return (2, 5) if cache.fp8 else (4, 5)
+# Tiles per split at or below which FP8 pages take the short-context tiles (`decode_tiles`).
+SHORT_TILES = 4
+
+
+def decode_tiles(cache: PagedKVCache, tiles_per_split: Optional[int] = None) -> tuple[int, int]:
+    """Default (num_warps, num_stages) of the paged decode kernel for this cache, given how many block_n tiles a
+    split walks (None: many). FP8 pages (dimension-major V): 2 warps, 5 stages for long walks; the H200 sweeps
+    (benchmarks/results/h200-2026-11-29-session8/probe_attn*.txt, batch 8 x 32K) have 3.29 TB/s with 8 splits
+    against 2.43 for 4 warps, 2.93 for 2 warps x 4 stages and about 3.0-3.2 for 1 warp. A split of at most
+    SHORT_TILES tiles is latency-bound and gets 4 warps, 3 stages (140-token contexts of 192-token capacity, per
+    launch in a CUDA graph: batch 1, 3 splits 6.03 vs 7.15 us; batch 8, 3 splits 8.36 vs 8.82 us; one split
+    9.84 vs 12.41 us; benchmarks/results/h200-2026-11-29-session9/probe_attn_short.txt). Other caches keep
+    4 warps, 5 stages (bf16 8 x 32K: 3.94 TB/s against 3.36 for 2 warps, session 8 bench_attention.txt)."""
+    if not cache.fp8:
+        return (4, 5)
+    return (4, 3) if tiles_per_split is not None and tiles_per_split <= SHORT_TILES else (2, 5)
+
+
+def decode_plan(cache: PagedKVCache, sms: int, batch: int, context: int, block_n: int, row_blocks: int = 1,
+                cap: int = 128, num_splits: Optional[int] = None,
+                num_warps: Optional[int] = None) -> tuple[int, int, int]:
+    """(num_warps, num_stages, num_splits) of a paged decode call on `batch` sequences of at most `context`
+    tokens: the given splits / warps, else `decode_splits` and `decode_tiles` -- the splits for the long-walk
+    warps first; where they leave each split at most SHORT_TILES tiles, the short-context tiles, and the splits
+    again for their warps. A function of these arguments only, so a CUDA graph's replays keep one grid."""
+    tiles = triton.cdiv(max(1, context), block_n)
+    warps = num_warps or decode_tiles(cache)[0]
+    splits = num_splits or decode_splits(sms, batch, cache.kv_heads, context, block_n, row_blocks, cap, warps)
+    short_w, stages = decode_tiles(cache, triton.cdiv(tiles, splits))
+    if num_warps is None and short_w != warps:
+        warps = short_w
+        splits = num_splits or decode_splits(sms, batch, cache.kv_heads, context, block_n, row_blocks, cap, warps)
+    return warps, stages, splits
 
 
 def decode_splits(sms: int, batch: int, kv_heads: int, context: int, block_n: int, row_blocks: int = 1,
@@ -442,10 +468,9 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     group = h // hkv
     bm = min(64, _pow2(group * tq))
     n_mb = triton.cdiv(group * tq, bm)
-    dw, ds = decode_tiles(cache)
+    dw, ds, num_splits = decode_plan(cache, sm_count(dev), b, cache.context_bound(seq_ids, b), block_n, n_mb,
+                                     num_splits=num_splits, num_warps=num_warps)
     num_warps, num_stages = num_warps or dw, num_stages or ds
-    if num_splits is None:
-        num_splits = decode_splits(sm_count(dev), b, hkv, cache.context_bound(seq_ids, b), block_n, n_mb, num_warps=num_warps)
     direct = num_splits == 1 if direct is None else bool(direct)
     if direct and num_splits != 1:
         raise ValueError(f"direct=True writes the output from the split itself: it needs num_splits=1, "
