@@ -13,6 +13,8 @@
   reloaded, over warps / programs per SM / stages.
 * decode_small_m / gemv_knobs: the production decode kernels' knobs at M = 4, 16 (split-K MMA) and M = 1 (GEMV)
   on the issue's three shapes (use --flush clean: the state a decode step finds).
+* rms_tma: RMSNorm+quant with rows loaded by TMA descriptors and with capped registers (3 programs per SM).
+* gemv_graph: the M = 1 decode GEMMs back to back in a CUDA graph, PDL on / off, L2 prefetch on / off.
 * attn_short: paged FP8 decode attention at 140-token contexts (the e2e benchmark's), batch 1 and 8, both V page
   layouts over warps / stages / splits, per launch in a CUDA graph.
 * pdl_ab: big-shape quant and decode-attention kernels with and without PDL launches.
@@ -458,6 +460,127 @@ def probe_attn_short(copy_tbs: float) -> None:
                         print(f"  b={b} {layout} {kw}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
 
 
+@triton.jit
+def _rms_tma_probe_kernel(x_desc, o_desc, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G: tl.constexpr,
+                          STAGES: tl.constexpr, STORE_TMA: tl.constexpr, W_IN_LOOP: tl.constexpr = False):
+    """The persistent RMSNorm+quant's fast path with each row (G, 128) loaded by a TMA tensor descriptor (one
+    bulk copy per row, no per-thread copies or addresses) and, with STORE_TMA, its FP8 data stored by one.
+    W_IN_LOOP: the weight is loaded per row (L1 hits) instead of held in registers (fewer registers, more
+    programs per SM)."""
+    g = tl.arange(0, G)
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cmask = cols < K
+    if not W_IN_LOOP:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    smask = g < n_groups
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        if W_IN_LOOP:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x = tl.reshape(x_desc.load([row, 0, 0]), (G, 128)).to(tl.float32)
+        h = w * (x * _rstd(tl.zeros((G,), tl.float32) + tl.sum(tl.sum(x * x, axis=1), axis=0), K, eps)[:, None])
+        amax = tl.reduce(tl.abs(h), 1, _max_nan)
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        if STORE_TMA:
+            o_desc.store([row, 0, 0], tl.reshape(q, (1, G, 128)))
+        else:
+            tl.store(out_ptr + tl.cast(row, tl.int64) * K + cols, q, mask=cmask)
+        tl.store(scale_ptr + tl.cast(row, tl.int64) * n_groups + g, scale, mask=smask)
+
+
+def probe_rms_tma(copy_tbs: float) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16: the production persistent kernel vs `_rms_tma_probe_kernel` (rows through
+    TMA descriptors) over warps / programs per SM / stages; TB/s after a dirty and a clean flush; FP8 bits and
+    scales vs production (the sum-of-squares order may differ with the register layout: a few last-bit rstd
+    differences are expected, not more)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from engine.kernels import quant as Q
+    from engine.kernels import sm_count
+
+    m, k = 16384, 7168
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.rand(k, device=DEV) + 0.5
+    ng, gp = k // 128, 64
+    nbytes = x.numel() * 3 + m * ng * 4 + k * 4
+    ref_d, ref_s = Q.rmsnorm_quant(x, w, 1e-5)
+    print("\n## RMSNorm+quant 16384 x 7168: TMA row loads (TB/s dirty / clean L2; bits vs production)")
+    for fl in ("dirty", "clean"):
+        print(f"  production: {fl} {nbytes / _time_us(lambda: Q.rmsnorm_quant(x, w, 1e-5), reps=30, flush=fl) / 1e6:5.2f}")
+    from engine.kernels.quant import _rmsnorm_quant_persistent_kernel as pers
+
+    for maxr, pps, stages in ((84, 3, 3), (80, 3, 3), (84, 3, 2), (96, 2, 3)):  # production, registers capped
+        out = torch.empty((m, k), device=DEV, dtype=torch.float8_e4m3fn)
+        sc = torch.empty((m, ng), device=DEV, dtype=torch.float32)
+
+        def run(maxr=maxr, pps=pps, stages=stages, out=out, sc=sc):
+            pers[(min(m, pps * sm_count(x.device)),)](x, w, out, sc, out, x, out, m, k, ng, 1e-5, G=gp, STAGES=stages,
+                                                      STORE_HP=False, FAST=True, num_warps=8, maxnreg=maxr)
+        try:
+            run()
+            same = torch.equal(out.view(torch.uint8), ref_d.view(torch.uint8)) and torch.equal(sc, ref_s)
+            cells = [f"{fl} {nbytes / _time_us(run, reps=30, flush=fl) / 1e6:5.2f}" for fl in ("dirty", "clean")]
+            print(f"  production maxnreg={maxr} pps{pps} s{stages}: {'  '.join(cells)}  bits "
+                  f"{'= production' if same else 'DIFFER'}", flush=True)
+        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+            print(f"  production maxnreg={maxr}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    xd = TensorDescriptor(x, [m, ng, 128], [k, 128, 1], [1, gp, 128])
+    for warps, pps, stages, st, maxr in ((8, 2, 4, False, None), (8, 3, 3, False, 84), (8, 3, 3, False, 80),
+                                         (8, 3, 2, False, 84), (8, 3, 4, False, 84), (4, 5, 3, False, 96),
+                                         (4, 6, 2, False, 80)):
+        out = torch.empty((m, k), device=DEV, dtype=torch.float8_e4m3fn)
+        sc = torch.empty((m, ng), device=DEV, dtype=torch.float32)
+        od = TensorDescriptor(out, [m, ng, 128], [k, 128, 1], [1, gp, 128])
+        grid = (min(m, pps * sm_count(x.device)),)
+
+        def run(warps=warps, stages=stages, st=st, out=out, sc=sc, od=od, grid=grid, maxr=maxr):
+            _rms_tma_probe_kernel[grid](xd, od, w, out, sc, m, k, ng, 1e-5, G=gp, STAGES=stages, STORE_TMA=st,
+                                        num_warps=warps, **({"maxnreg": maxr} if maxr else {}))
+        try:
+            run()
+            diff = (out.view(torch.uint8) != ref_d.view(torch.uint8)).float().mean().item()
+            sdiff = (sc != ref_s).float().mean().item()
+            cells = [f"{fl} {nbytes / _time_us(run, reps=30, flush=fl) / 1e6:5.2f}" for fl in ("dirty", "clean")]
+            print(f"  w{warps} pps{pps} s{stages} tma_store={st!s:5} maxnreg={maxr}: {'  '.join(cells)}  FP8 bytes differing "
+                  f"{diff:.1e}, scales {sdiff:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+            print(f"  w{warps} pps{pps} s{stages} tma_store={st}: FAILED {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:200]}", flush=True)
+
+
+def probe_gemv_graph(copy_tbs: float, shapes=ISSUE_SHAPES) -> None:
+    """The M = 1 GEMV back to back in a CUDA graph over rotating weight copies (as `bench_gemm`'s graph column),
+    with PDL launches on / off and the L2 prefetch per row at 0 / 1 KB; the split-K MMA kernel forced at M = 1
+    alongside (TB/s of weight bytes)."""
+    from benchmarks.bench_gemm import GRAPH_ROTATE_BYTES
+    from engine.kernels import gemm as G
+    from engine.kernels import pdl
+
+    print("\n## M = 1 decode GEMMs in a CUDA graph, back to back over weight copies (TB/s)")
+    old = (G.GEMV_PREFETCH_BYTES, pdl.enabled())
+    try:
+        for n, k in shapes:
+            xd, xs, wd, ws = fp8_block_operands(1, n, k, seed=n)
+            wbytes = wd.numel() + ws.numel() * 4
+            copies = [(wd, ws)] + [(wd.clone(), ws.clone()) for _ in range(max(1, -(-GRAPH_ROTATE_BYTES // wbytes) - 1))]
+            cells = []
+            for on in (True, False):
+                pdl.set_enabled(on)
+                for pf in (1024, 0):
+                    G.GEMV_PREFETCH_BYTES = pf
+                    t = graph_us([lambda c=c: G.fp8_block_linear(xd, xs, *c) for c in copies], n=48)
+                    cells.append(f"gemv pdl={'on' if on else 'off'} pf={pf}: {wbytes / t / 1e6:4.2f}")
+                # any explicit knob takes the MMA kernel (without knobs M = 1 goes to the GEMV)
+                t = graph_us([lambda c=c: G.fp8_block_gemm_triton(xd, xs, *c, block_n=64) for c in copies], n=48)
+                cells.append(f"split-K pdl={'on' if on else 'off'}: {wbytes / t / 1e6:4.2f}")
+            print(f"  {n}x{k}: " + "; ".join(cells), flush=True)
+            del copies
+    finally:
+        G.GEMV_PREFETCH_BYTES = old[0]
+        pdl.set_enabled(old[1])
+
+
 def probe_pdl_ab(copy_tbs: float) -> None:
     """Big-shape kernels with and without PDL launches (same code otherwise): act_quant, SwiGLU+quant and
     RMSNorm+quant at 16384 x 7168 bf16, paged FP8 / bf16 decode attention at 8 x 32K (TB/s)."""
@@ -733,7 +856,7 @@ def main() -> int:
     probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
               "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
               "attn_fine": lambda c: probe_attention(c, "fine"), "attn_short": probe_attn_short,
-              "decode_small_m": probe_decode_small_m, "gemv_knobs": probe_gemv_knobs,
+              "decode_small_m": probe_decode_small_m, "rms_tma": probe_rms_tma, "gemv_graph": probe_gemv_graph, "gemv_knobs": probe_gemv_knobs,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -328,10 +328,13 @@ FUSED_REDUCE_DEFAULT = True
 # M >= 2 kernel's (summation order), as cuBLAS's above `small_m` do.
 GEMV_M1 = True
 # Bytes of each weight row the GEMV prefetches into L2 at its start, before its PDL wait (engine.kernels.pdl).
-# H200 (benchmarks/results/h200-2026-11-29-session6/probe_prefetch.txt, e2e_pf*.log): 1 KB (one loop step) is
-# 1-2% faster than none in isolation on 4 of 5 decode shapes and equal end to end; 4 KB and more are slower
-# (3.61 vs 3.24 ms per Llama-3-8B batch-1 step: the prefetch competes with the loop's own loads).
-GEMV_PREFETCH_BYTES = 1024
+# Off since session 9. H200, back to back in a CUDA graph with PDL, 1 KB vs none: 4096x14336 2.48 vs 3.57 TB/s,
+# 28672x4096 3.85 vs 3.94, 7168x16384 3.88 vs 3.47 (benchmarks/results/h200-2026-11-29-session9/
+# probe_gemv_graph.txt). Llama-3-8B decode, pipelined, two runs each (same folder, e2e_pf*_run*.log): batch 1
+# 2.91 / 2.91 ms with 1 KB vs 2.89 / 2.88 without, batch 8 3.51 / 3.48 vs 3.45 / 3.44. Session 6 had chosen
+# 1 KB: 1-2% faster in isolation on 4 of 5 shapes, equal end to end (h200-2026-11-29-session6/probe_prefetch.txt);
+# 4 KB and more were slower.
+GEMV_PREFETCH_BYTES = 0
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
