@@ -41,8 +41,18 @@ _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # re-ran that suite uncapped and the prompts of up to 100 tokens of test_long_fp8_prompts_on_native_paged_kernels
 # on an H200 without an error (benchmarks/results/h200-2026-11-29-session9/) and lifted it. ENGINE_FP8_PAGED_MAX_TQ
 # sets a limit again, to bisect.
-_MAX_TQ = os.environ.get("ENGINE_FP8_PAGED_MAX_TQ")
-FP8_PAGED_MAX_TQ: Optional[int] = int(_MAX_TQ) if _MAX_TQ else None
+def _max_tq_from_env() -> Optional[int]:
+    """ENGINE_FP8_PAGED_MAX_TQ as a token count (unset or empty: no limit)."""
+    v = os.environ.get("ENGINE_FP8_PAGED_MAX_TQ", "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"ENGINE_FP8_PAGED_MAX_TQ={v!r}: use a positive number of tokens (16 restores the "
+                         "session-2..8 path), or unset it for no limit")
+    return int(v)
+
+
+FP8_PAGED_MAX_TQ: Optional[int] = _max_tq_from_env()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,3 +122,18 @@ def test_prefix_cache_hit_reuses_pages(tiny):
         assert rt.last_prefix_hit == 16 and hit.shape[0] == 24
         gap = (hit - miss[16:]).abs().max().item()
         assert (gap <= 1e-4) if same else (gap > 1e-3), (recipe, gap)
+
+
+def test_fp8_paged_max_tq_env(monkeypatch):
+    """ENGINE_FP8_PAGED_MAX_TQ: unset -> no limit (the default since session 9), a token count -> that limit, anything
+    else -> an error naming the variable."""
+    import engine.runtime as R
+
+    monkeypatch.delenv("ENGINE_FP8_PAGED_MAX_TQ", raising=False)
+    assert R._max_tq_from_env() is None
+    monkeypatch.setenv("ENGINE_FP8_PAGED_MAX_TQ", "16")
+    assert R._max_tq_from_env() == 16
+    for bad in ("0", "-4", "sixteen"):
+        monkeypatch.setenv("ENGINE_FP8_PAGED_MAX_TQ", bad)
+        with pytest.raises(ValueError, match="ENGINE_FP8_PAGED_MAX_TQ"):
+            R._max_tq_from_env()
