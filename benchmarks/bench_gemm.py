@@ -151,7 +151,7 @@ def time_us(fn: Callable[[], Any], reps: int = REPS, warmup: int = WARMUP, shiel
     shield=False is the pre-fix methodology (flush only), kept to show the host-time artefact."""
     for _ in range(warmup):
         fn()
-    _evict_l2(flush)
+    _evict_l2(flush)  # the first clean flush also writes back what allocating the flush buffer left dirty
     torch.cuda.synchronize()
     sleep_us = min(5000.0, max(100.0, 2.0 * host_us(fn, 3))) if shield else 0.0
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]

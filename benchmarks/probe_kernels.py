@@ -35,7 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_gemm import fingerprint, fp8_block_operands, graph_us  # noqa: E402
+from benchmarks.bench_gemm import DECODE_SHAPES, fingerprint, fp8_block_operands, graph_us  # noqa: E402
 from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
 from engine.kernels.quant import _div_by_scale, _group_offsets, _quant_groups, _rstd, _tile_rows  # noqa: E402
@@ -249,10 +249,7 @@ def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (2867
                 print(f"      best block_n={bn}: {b[0][0]:6.1f} us {b[0][1]}")
 
 
-ISSUE_SHAPES = ((28672, 4096), (4096, 14336), (7168, 16384))
-
-
-def probe_decode_small_m(copy_tbs: float, shapes=ISSUE_SHAPES, ms=(4, 16)) -> None:
+def probe_decode_small_m(copy_tbs: float, shapes=tuple(DECODE_SHAPES), ms=(4, 16)) -> None:
     """The production split-K MMA decode kernel (`fp8_block_gemm_triton`, fused reduce) at M = 4 and 16 over
     block_n, splits and pipelines on the issue's shapes (us, TB/s of weight bytes, x bf16 cuBLAS), vs the default
     dispatch (`fp8_block_linear`)."""
@@ -288,7 +285,7 @@ def probe_decode_small_m(copy_tbs: float, shapes=ISSUE_SHAPES, ms=(4, 16)) -> No
         del wd, ws, w16
 
 
-def probe_gemv_knobs(copy_tbs: float, shapes=ISSUE_SHAPES) -> None:
+def probe_gemv_knobs(copy_tbs: float, shapes=tuple(DECODE_SHAPES)) -> None:
     """The production M = 1 GEMV (`_launch_gemv`, prefetch and PDL as in production) over rows per program, groups
     per step, pipeline depth and warps (us, TB/s of weight bytes)."""
     from engine.kernels import gemm as G
@@ -462,20 +459,15 @@ def probe_attn_short(copy_tbs: float) -> None:
 
 @triton.jit
 def _rms_tma_probe_kernel(x_desc, o_desc, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G: tl.constexpr,
-                          STAGES: tl.constexpr, STORE_TMA: tl.constexpr, W_IN_LOOP: tl.constexpr = False):
+                          STAGES: tl.constexpr, STORE_TMA: tl.constexpr):
     """The persistent RMSNorm+quant's fast path with each row (G, 128) loaded by a TMA tensor descriptor (one
-    bulk copy per row, no per-thread copies or addresses) and, with STORE_TMA, its FP8 data stored by one.
-    W_IN_LOOP: the weight is loaded per row (L1 hits) instead of held in registers (fewer registers, more
-    programs per SM)."""
+    bulk copy per row, no per-thread copies or addresses) and, with STORE_TMA, its FP8 data stored by one."""
     g = tl.arange(0, G)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     cmask = cols < K
-    if not W_IN_LOOP:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     smask = g < n_groups
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
-        if W_IN_LOOP:
-            w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         x = tl.reshape(x_desc.load([row, 0, 0]), (G, 128)).to(tl.float32)
         h = w * (x * _rstd(tl.zeros((G,), tl.float32) + tl.sum(tl.sum(x * x, axis=1), axis=0), K, eps)[:, None])
         amax = tl.reduce(tl.abs(h), 1, _max_nan)
@@ -549,7 +541,7 @@ def probe_rms_tma(copy_tbs: float) -> None:
                   f"{str(exc).splitlines()[0][:200]}", flush=True)
 
 
-def probe_gemv_graph(copy_tbs: float, shapes=ISSUE_SHAPES) -> None:
+def probe_gemv_graph(copy_tbs: float, shapes=tuple(DECODE_SHAPES)) -> None:
     """The M = 1 GEMV back to back in a CUDA graph over rotating weight copies (as `bench_gemm`'s graph column),
     with PDL launches on / off and the L2 prefetch per row at 0 / 1 KB; the split-K MMA kernel forced at M = 1
     alongside (TB/s of weight bytes)."""
