@@ -21,6 +21,12 @@
 * small: single-row (decode) latency of the quantizing kernels in a CUDA graph; SwiGLU quantization variants.
 * prefill: cuBLAS blockwise 8192^3 through `scaled_mm_blockwise` (scales padded per call) vs `F.scaled_mm`
   on scales padded once, on benchmark-style saturated operands and on small-magnitude (randn) operands.
+* gemm_gps / gemm_narrow (session 10, 4096x14336 at M = 4 / 16): the split-K kernel walking 1-4 groups per
+  pipeline step with plain or TMA weight loads (`_gps_probe_kernel`, production's bits); narrow MMA tiles;
+  the GEMV generalized to 4 activation rows (`_gemv_m_probe_kernel`).
+* rms_warp / rms_parts / rms_occupancy (session 10, RMSNorm+quant 16384 x 7168): 1-2 warps per row in two
+  chunked passes; rows as 32 + 16 + 8 group tiles (`_rms_parts_probe_kernel`); 16 / 32 warps per row with
+  registers capped for 2 programs per SM.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gemm import DECODE_SHAPES, fingerprint, fp8_block_operands, graph_us  # noqa: E402
 from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
-from engine.kernels.quant import _div_by_scale, _group_offsets, _quant_groups, _rstd, _tile_rows  # noqa: E402
+from engine.kernels.quant import (_div_by_scale, _fast_domain, _group_offsets, _quant_groups,  # noqa: E402
+                                  _quant_groups_fast, _rstd, _tile_rows)
 
 DEV = "cuda"
 FLUSH = "dirty"  # --flush
@@ -249,15 +256,13 @@ def probe_decode_tune(copy_tbs: float, shapes=((6144, 4096), (4096, 4096), (2867
                 print(f"      best block_n={bn}: {b[0][0]:6.1f} us {b[0][1]}")
 
 
-def probe_decode_small_m(copy_tbs: float, shapes=tuple(DECODE_SHAPES), ms=(4, 16)) -> None:
-    """The production split-K MMA decode kernel (`fp8_block_gemm_triton`, fused reduce) at M = 4 and 16 over
-    block_n, splits and pipelines on the issue's shapes (us, TB/s of weight bytes, x bf16 cuBLAS), vs the default
-    dispatch (`fp8_block_linear`)."""
+def _small_m_cases(shapes, ms):
+    """The common setup of the small-M decode sweeps: for each (N, K) and M, yields (n, k, m, (xd, xs, wd, ws),
+    weight bytes, bf16 cuBLAS us, production us, production's fp32 output)."""
     import torch.nn.functional as F
 
     from engine.kernels import gemm as G
 
-    print(f"\n## decode GEMM knob sweep at M = {ms}, production split-K kernel (flush {FLUSH})")
     for n, k in shapes:
         _, _, wd, ws = fp8_block_operands(1, n, k, seed=n)
         w16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
@@ -268,21 +273,37 @@ def probe_decode_small_m(copy_tbs: float, shapes=tuple(DECODE_SHAPES), ms=(4, 16
             t16 = time_us(lambda: F.linear(x16, w16), reps=30)
             ref = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
             t0 = time_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32), reps=30)
-            res = []
-            for bn in (32, 64, 128):
-                for split in (1, 2, 3, 4, 6, 8):
-                    for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4)):
-                        if bn == 128 and stages > 4:
-                            continue
-                        cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
-                        _sweep_one(res, cfg, lambda cfg=cfg: G.fp8_block_gemm_triton(
-                            xd, xs, wd, ws, out_dtype=torch.float32, **cfg), ref)
-            print(f"  {n}x{k} M={m}: bf16 {t16:6.1f} us; default {t0:6.1f} us {wbytes / t0 / 1e6:5.2f} TB/s "
-                  f"{t16 / t0:4.2f}x bf16", flush=True)
-            _top(res, wbytes, copy_tbs, "default", n=5)
-            if res:
-                print(f"      best: {t16 / res[0][0]:4.2f}x bf16")
+            yield n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref
         del wd, ws, w16
+
+
+def _case_line(n, k, m, t16, t0, wbytes, name="production"):
+    """The header line of one small-M case: bf16 cuBLAS and production (or default) times."""
+    print(f"  {n}x{k} M={m}: bf16 {t16:6.1f} us; {name} {t0:6.1f} us {wbytes / t0 / 1e6:5.2f} TB/s "
+          f"{t16 / t0:4.2f}x bf16", flush=True)
+
+
+def probe_decode_small_m(copy_tbs: float, shapes=tuple(DECODE_SHAPES), ms=(4, 16)) -> None:
+    """The production split-K MMA decode kernel (`fp8_block_gemm_triton`, fused reduce) at M = 4 and 16 over
+    block_n, splits and pipelines on the issue's shapes (us, TB/s of weight bytes, x bf16 cuBLAS), vs the default
+    dispatch (`fp8_block_linear`)."""
+    from engine.kernels import gemm as G
+
+    print(f"\n## decode GEMM knob sweep at M = {ms}, production split-K kernel (flush {FLUSH})")
+    for n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases(shapes, ms):
+        res = []
+        for bn in (32, 64, 128):
+            for split in (1, 2, 3, 4, 6, 8):
+                for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4)):
+                    if bn == 128 and stages > 4:
+                        continue
+                    cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
+                    _sweep_one(res, cfg, lambda cfg=cfg: G.fp8_block_gemm_triton(
+                        xd, xs, wd, ws, out_dtype=torch.float32, **cfg), ref)
+        _case_line(n, k, m, t16, t0, wbytes, "default")
+        _top(res, wbytes, copy_tbs, "default", n=5)
+        if res:
+            print(f"      best: {t16 / res[0][0]:4.2f}x bf16")
 
 
 def probe_gemv_knobs(copy_tbs: float, shapes=tuple(DECODE_SHAPES)) -> None:
@@ -481,6 +502,19 @@ def _rms_tma_probe_kernel(x_desc, o_desc, w_ptr, out_ptr, scale_ptr, M, K, n_gro
         tl.store(scale_ptr + tl.cast(row, tl.int64) * n_groups + g, scale, mask=smask)
 
 
+def _rms_report(label: str, run, ref, nbytes: int, reps: int = 30) -> None:
+    """One RMSNorm+quant variant (run() -> (FP8 data, scales)): the share of FP8 bytes / scales differing from ref,
+    TB/s after a dirty and a clean flush; a FAILED line instead when it raises."""
+    try:
+        d, sc = run()
+        diff = (d.view(torch.uint8) != ref[0].view(torch.uint8)).float().mean().item()
+        sdiff = (sc != ref[1]).float().mean().item()
+        cells = [f"{fl} {nbytes / _time_us(run, reps=reps, flush=fl) / 1e6:5.2f}" for fl in ("dirty", "clean")]
+        print(f"  {label}: {'  '.join(cells)}  FP8 bytes differing {diff:.1e}, scales {sdiff:.1e}", flush=True)
+    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+        print(f"  {label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+
+
 def probe_rms_tma(copy_tbs: float) -> None:
     """RMSNorm+quant 16384 x 7168 bf16: the production persistent kernel vs `_rms_tma_probe_kernel` (rows through
     TMA descriptors) over warps / programs per SM / stages; TB/s after a dirty and a clean flush; FP8 bits and
@@ -529,16 +563,8 @@ def probe_rms_tma(copy_tbs: float) -> None:
         def run(warps=warps, stages=stages, st=st, out=out, sc=sc, od=od, grid=grid, maxr=maxr):
             _rms_tma_probe_kernel[grid](xd, od, w, out, sc, m, k, ng, 1e-5, G=gp, STAGES=stages, STORE_TMA=st,
                                         num_warps=warps, **({"maxnreg": maxr} if maxr else {}))
-        try:
-            run()
-            diff = (out.view(torch.uint8) != ref_d.view(torch.uint8)).float().mean().item()
-            sdiff = (sc != ref_s).float().mean().item()
-            cells = [f"{fl} {nbytes / _time_us(run, reps=30, flush=fl) / 1e6:5.2f}" for fl in ("dirty", "clean")]
-            print(f"  w{warps} pps{pps} s{stages} tma_store={st!s:5} maxnreg={maxr}: {'  '.join(cells)}  FP8 bytes differing "
-                  f"{diff:.1e}, scales {sdiff:.1e}", flush=True)
-        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-            print(f"  w{warps} pps{pps} s{stages} tma_store={st}: FAILED {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0][:200]}", flush=True)
+            return out, sc
+        _rms_report(f"w{warps} pps{pps} s{stages} tma_store={st!s:5} maxnreg={maxr}", run, (ref_d, ref_s), nbytes)
 
 
 def probe_gemv_graph(copy_tbs: float, shapes=tuple(DECODE_SHAPES)) -> None:
@@ -831,6 +857,393 @@ def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
                       f"{nbytes / ms / 1e9:5.2f} TB/s  bits {'= production' if same else 'DIFFER'}")
 
 
+@triton.jit
+def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, groups_per_split,
+                      n_splits, stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
+                      BM: tl.constexpr, BN: tl.constexpr, GPS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The production split-K decode kernel (`_fp8_block_gemm_kernel`, fused reduce) walking GPS adjacent 128-groups
+    per loop step (GPS*128 contiguous bytes of each weight row loaded per stage; W optionally through a TMA
+    descriptor). Each group's dot is scaled and accumulated in the production order, so the bits equal
+    production's for the same split when groups_per_split % GPS == 0. The next step's GPS scales are loaded one
+    step ahead as a vector and picked by a one-hot sum (exact)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    j = tl.arange(0, GPS)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
+    xs_rows = xs_ptr + offs_m * stride_xsm
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    ws_next = tl.load(ws_row + (g0 + j) * stride_wsg, mask=g0 + j < g1, other=0.0)
+    xs_next = tl.load(xs_rows[:, None] + (g0 + j)[None, :] * stride_xsg, mask=m_ok[:, None] & (g0 + j < g1)[None, :],
+                      other=0.0)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for g in range(g0, g1, GPS):
+        wsv = ws_next
+        xsv = xs_next
+        gn = g + GPS + j
+        ws_next = tl.load(ws_row + gn * stride_wsg, mask=gn < g1, other=0.0)
+        xs_next = tl.load(xs_rows[:, None] + gn[None, :] * stride_xsg, mask=m_ok[:, None] & (gn < g1)[None, :],
+                          other=0.0)
+        for t in tl.static_range(GPS):
+            k = (g + t) * 128 + offs_k
+            if USE_TMA:
+                w = w_desc.load([pid_n * BN, (g + t) * 128])
+            else:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            ws = tl.sum(tl.where(j == t, wsv, 0.0), axis=0)
+            xs = tl.sum(tl.where(j[None, :] == t, xsv, 0.0), axis=1)
+            acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    if n_splits == 1:
+        tl.store(out_ptr + idx, acc, mask=mask)
+    else:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + idx, acc, mask=mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            tot = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(n_splits):
+                tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + idx, tot, mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=False):
+    """`_gps_probe_kernel` (fp32 out, fused split-K reduce)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from engine.kernels import gemm as G
+
+    m, k = xd.shape
+    n = wd.shape[0]
+    kb = -(-k // 128)
+    per = -(-kb // splits)
+    if per % gps:
+        raise ValueError(f"{per} groups per split is not a multiple of gps {gps}")
+    bm = max(16, triton.next_power_of_2(m))
+    out = torch.empty((m, n), device=xd.device, dtype=torch.float32)
+    part = torch.empty((splits, m, n), device=xd.device, dtype=torch.float32)
+    grid = (-(-n // bn), -(-m // bm), splits)
+    cnt = G._tile_counters(xd.device, grid[0] * grid[1])
+    desc = TensorDescriptor.from_tensor(wd, [bn, 128]) if tma else None
+    _gps_probe_kernel[grid](desc, xd, xs, wd, ws, out, part, cnt, m, n, k, per, splits, xd.stride(0), wd.stride(0),
+                            xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), BM=bm, BN=bn, GPS=gps,
+                            USE_TMA=tma, num_warps=warps, num_stages=stages)
+    return out
+
+
+def probe_gemm_gps(copy_tbs: float, shapes=((4096, 14336),), ms=(4, 16)) -> None:
+    """Decode GEMM at M = 4 / 16: `_gps_probe_kernel` over groups per step (GPS), TMA / plain weight loads, block_n,
+    splits and pipeline depth, vs the production dispatch (us, TB/s of weight bytes, x bf16 cuBLAS)."""
+    print(f"\n## decode GEMM at M = {ms}: groups per pipeline step (GPS), TMA weight loads (flush {FLUSH})")
+    for n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases(shapes, ms):
+        res = []
+        kb = k // 128
+        for gps in (1, 2, 4):
+            for tma in (False, True):
+                for bn in (32, 64, 128):
+                    for split in (1, 2, 4, 7, 8, 14):
+                        if (-(-kb // split)) % gps or (n // bn) * split < 132 or (n // bn) * split > 16 * 132:
+                            continue
+                        for warps, stages in ((4, 2), (4, 3), (4, 4), (4, 5), (8, 3)):
+                            if stages * gps > 12 or (bn == 128 and stages * gps > 8):
+                                continue
+                            cfg = dict(bn=bn, splits=split, warps=warps, stages=stages, gps=gps, tma=tma)
+                            _sweep_one(res, cfg, lambda cfg=cfg: gps_gemm(xd, xs, wd, ws, **cfg), ref,
+                                       quiet="out of resource")
+        _case_line(n, k, m, t16, t0, wbytes)
+        _top(res, wbytes, copy_tbs, "production", n=8)
+        for gps in (1, 2, 4):
+            for tma in (False, True):
+                b = [r for r in res if r[1]["gps"] == gps and r[1]["tma"] == tma]
+                if b:
+                    print(f"      best gps={gps} tma={tma!s:5}: {b[0][0]:6.1f} us {wbytes / b[0][0] / 1e6:5.2f} TB/s "
+                          f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]}", flush=True)
+
+
+@triton.jit
+def _rms_warp_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, GB: tl.constexpr,
+                           STAGES: tl.constexpr):
+    """RMSNorm+quant, programs looping over whole rows (row pid, pid + programs, ...), each row in two chunked
+    passes of GB groups: pass 1 sums x^2 (loads kept in L2: evict_last), pass 2 re-reads the chunk (evict_first),
+    norms and quantizes it (`_quant_groups` FAST). Meant for 1-2 warps per program: many rows in flight per SM,
+    no CTA-wide barrier per row."""
+    sub = tl.arange(0, GB)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0)):
+        rows = tl.zeros((GB,), tl.int32) + row
+        ss = tl.zeros((GB,), tl.float32)
+        for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
+            off, mask, _ = _group_offsets(rows, g0 + sub, M, K)
+            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            ss += tl.sum(xc * xc, axis=1)
+        rstd = _rstd(tl.zeros((GB,), tl.float32) + tl.sum(ss, axis=0), K, eps)
+        for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
+            off, mask, cols = _group_offsets(rows, g0 + sub, M, K)
+            xc = tl.load(x_ptr + off, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            wv = tl.load(w_ptr + cols, mask=cols < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            _quant_groups(wv * (xc * rstd[:, None]), rows, g0 + sub, M, K, n_groups, out_ptr, scale_ptr, True)
+
+
+def probe_rms_warp(copy_tbs: float) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16 with few warps per row: the production chunked two-pass kernel at 1 / 2 / 4
+    warps over chunk groups and pipeline depth (one row per program), and `_rms_warp_probe_kernel` (programs
+    looping over rows) over programs per SM; TB/s after a dirty and a clean flush; FP8 bytes / scales differing
+    from production (sum-of-squares order: last-bit rstd differences only)."""
+    from engine.kernels import quant as Q
+    from engine.kernels import sm_count
+
+    m, k = 16384, 7168
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.rand(k, device=DEV) + 0.5
+    ng = k // 128
+    nbytes = x.numel() * 3 + m * ng * 4
+    ref_d, ref_s = Q.rmsnorm_quant(x, w, 1e-5)
+
+    def report(name, run):
+        _rms_report(f"{name:39s}", run, (ref_d, ref_s), nbytes, reps=20)
+
+    print("\n## RMSNorm+quant 16384 x 7168: few warps per row (TB/s dirty / clean L2)")
+    report("production default", lambda: Q.rmsnorm_quant(x, w, 1e-5))
+    for warps in (1, 2, 4):
+        for gb in (4, 8, 16):
+            for stages in (1, 2, 3, 4):
+                if gb * 128 // (32 * warps) > 64:
+                    continue
+                report(f"chunked bm1 gb{gb} w{warps} s{stages}", lambda gb=gb, warps=warps, stages=stages:
+                       Q.rmsnorm_quant(x, w, 1e-5, mode="chunked", bm=1, gb=gb, num_warps=warps, num_stages=stages))
+    for warps in (1, 2):
+        for gb in (8, 16):
+            for stages in (2, 3):
+                for pps in (8, 16, 24, 32):
+                    out = torch.empty((m, k), device=DEV, dtype=torch.float8_e4m3fn)
+                    sc = torch.empty((m, ng), device=DEV, dtype=torch.float32)
+
+                    def run(warps=warps, gb=gb, stages=stages, pps=pps, out=out, sc=sc):
+                        _rms_warp_probe_kernel[(min(m, pps * sm_count(x.device)),)](
+                            x, w, out, sc, m, k, ng, 1e-5, GB=gb, STAGES=stages, num_warps=warps)
+                        return out, sc
+                    report(f"row-loop w{warps} gb{gb} s{stages} pps{pps}", run)
+
+
+@triton.jit
+def _rms_part_load(x_ptr, base, g_lo, K, G: tl.constexpr):
+    """Columns, mask and fp32 values of groups g_lo .. g_lo + G - 1 of the row at base."""
+    cols = (g_lo + tl.arange(0, G))[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cmask = cols < K
+    return cols, cmask, tl.load(x_ptr + base + cols, mask=cmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rms_part_quant(x_ptr, wv, out_ptr, scale_ptr, row, base, g_lo, x, rstd, M, K, n_groups, G: tl.constexpr,
+                    RELOAD: tl.constexpr):
+    """Norm (weight tile wv, held) and fast-quantize groups g_lo .. g_lo + G - 1 of one row (x re-read when
+    RELOAD); (G,) bad flags."""
+    cols, cmask, xr = _rms_part_load(x_ptr, base, g_lo, K, G)
+    if not RELOAD:
+        xr = x
+    h = wv * (xr * rstd)
+    g = g_lo + tl.arange(0, G)
+    smask = g < n_groups
+    amax, bad = _fast_domain(h, smask)
+    _quant_groups_fast(h, amax, base + cols, cmask, scale_ptr + tl.cast(row, tl.int64) * n_groups + g, smask, out_ptr)
+    return bad
+
+
+@triton.jit
+def _rms_parts_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G0: tl.constexpr,
+                            G1: tl.constexpr, G2: tl.constexpr, STAGES: tl.constexpr, RELOAD: tl.constexpr):
+    """Persistent RMSNorm+quant (programs loop over whole rows, loop pipelined STAGES deep) with the row held as up
+    to three power-of-two group tiles G0 + G1 + G2 >= n_groups (7168 columns: 32 + 16 + 8 = 56 groups, no padded
+    lanes, where production's single 64-group tile computes 12.5% masked lanes). RELOAD re-reads each tile for the
+    norm (a second load of the same addresses: x need not stay in registers across the sum of squares). The
+    deferred domain-check flags are kept; their fallback is not run (a probe on random rows)."""
+    bad0 = tl.zeros((G0,), tl.int32)
+    bad1 = tl.zeros((G1 if G1 > 0 else 1,), tl.int32)
+    bad2 = tl.zeros((G2 if G2 > 0 else 1,), tl.int32)
+    _, _, w0 = _rms_part_load(w_ptr, 0, 0, K, G0)  # the weight, held in registers (as production)
+    w1 = w0
+    w2 = w0
+    if G1 > 0:
+        _, _, w1 = _rms_part_load(w_ptr, 0, G0, K, G1)
+    if G2 > 0:
+        _, _, w2 = _rms_part_load(w_ptr, 0, G0 + G1, K, G2)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        base = tl.cast(row, tl.int64) * K
+        _, _, x0 = _rms_part_load(x_ptr, base, 0, K, G0)
+        ss = tl.sum(tl.sum(x0 * x0, axis=1), axis=0)
+        x1 = x0
+        x2 = x0
+        if G1 > 0:
+            _, _, x1 = _rms_part_load(x_ptr, base, G0, K, G1)
+            ss += tl.sum(tl.sum(x1 * x1, axis=1), axis=0)
+        if G2 > 0:
+            _, _, x2 = _rms_part_load(x_ptr, base, G0 + G1, K, G2)
+            ss += tl.sum(tl.sum(x2 * x2, axis=1), axis=0)
+        rstd = _rstd(tl.zeros((1,), tl.float32) + ss, K, eps)[:, None]
+        bad0 = bad0 | _rms_part_quant(x_ptr, w0, out_ptr, scale_ptr, row, base, 0, x0, rstd, M, K, n_groups, G0,
+                                      RELOAD)
+        if G1 > 0:
+            bad1 = bad1 | _rms_part_quant(x_ptr, w1, out_ptr, scale_ptr, row, base, G0, x1, rstd, M, K, n_groups,
+                                          G1, RELOAD)
+        if G2 > 0:
+            bad2 = bad2 | _rms_part_quant(x_ptr, w2, out_ptr, scale_ptr, row, base, G0 + G1, x2, rstd, M, K,
+                                          n_groups, G2, RELOAD)
+    flag = tl.max(bad0, axis=0) + tl.max(bad1, axis=0) + tl.max(bad2, axis=0)
+    tl.store(scale_ptr + tl.program_id(0) * 0, tl.load(scale_ptr), mask=flag > 1000000)
+
+
+def _rms_case(title: str):
+    """The 16384 x 7168 bf16 case of the RMSNorm+quant probes: prints the title and production's TB/s after a dirty /
+    clean flush; returns (m, k, x, weight, groups per row, bytes moved, production's (FP8 data, scales))."""
+    from engine.kernels import quant as Q
+
+    m, k = 16384, 7168
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.rand(k, device=DEV) + 0.5
+    ng = k // 128
+    nbytes = x.numel() * 3 + m * ng * 4
+    ref = Q.rmsnorm_quant(x, w, 1e-5)
+    print(title)
+    for fl in ("dirty", "clean"):
+        print(f"  production: {fl} {nbytes / _time_us(lambda: Q.rmsnorm_quant(x, w, 1e-5), reps=30, flush=fl) / 1e6:5.2f}")
+    return m, k, x, w, ng, nbytes, ref
+
+
+def probe_rms_parts(copy_tbs: float) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16, persistent: the row as one 64-group tile (production's padding) vs 32 + 16 + 8
+    group tiles, x held vs re-read for the norm, over warps / programs per SM / stages (TB/s dirty / clean)."""
+    from engine.kernels import sm_count
+
+    m, k, x, w, ng, nbytes, (ref_d, ref_s) = _rms_case("\n## RMSNorm+quant 16384 x 7168, persistent: group tiles without padding (TB/s dirty / clean L2)")
+    for parts in ((64, 0, 0), (32, 16, 8)):
+        for reload in (0, 1):
+            for warps, pps, stages in ((8, 2, 3), (8, 2, 2), (8, 2, 4), (8, 3, 2), (8, 3, 3), (4, 4, 3), (4, 5, 2),
+                                       (16, 1, 3)):
+                out = torch.empty((m, k), device=DEV, dtype=torch.float8_e4m3fn)
+                sc = torch.empty((m, ng), device=DEV, dtype=torch.float32)
+
+                def run(parts=parts, reload=reload, warps=warps, pps=pps, stages=stages, out=out, sc=sc):
+                    _rms_parts_probe_kernel[(min(m, pps * sm_count(x.device)),)](
+                        x, w, out, sc, m, k, ng, 1e-5, G0=parts[0], G1=parts[1], G2=parts[2], STAGES=stages,
+                        RELOAD=reload, num_warps=warps)
+                    return out, sc
+                _rms_report(f"parts={parts} reload={reload} w{warps} pps{pps} s{stages}", run, (ref_d, ref_s), nbytes)
+
+
+@triton.jit
+def _gemv_m_probe_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn,
+                         BN: tl.constexpr, GK: tl.constexpr, MB: tl.constexpr, STAGES: tl.constexpr):
+    """The M = 1 GEMV (`_fp8_gemv_kernel`: CUDA cores, whole weight rows per program, no split-K) for M <= MB
+    activation rows: each weight tile, once in registers, is multiplied with every activation row."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    r_ok = rows < N
+    offs = tl.arange(0, GK * 128)
+    kb = tl.cdiv(K, 128)
+    ws_row = ws_ptr + ((pid * BN) // 128) * stride_wsn
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    mi = tl.arange(0, MB)
+    acc = tl.zeros((BN, MB), dtype=tl.float32)
+    for g0 in tl.range(0, kb, GK, num_stages=STAGES):
+        k = g0 * 128 + offs
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        gi = g0 + tl.arange(0, GK)
+        g_ok = gi < kb
+        wsc = tl.load(ws_row + gi, mask=g_ok, other=0.0)
+        for mm in tl.static_range(MB):
+            x = tl.load(x_ptr + mm * stride_xm + k, mask=k_ok & (mm < M), other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(w * x[None, :], (BN, GK, 128)), axis=2)
+            sc = wsc * tl.load(xs_ptr + mm * stride_xsm + gi, mask=g_ok & (mm < M), other=0.0)
+            acc += tl.where(mi[None, :] == mm, tl.sum(part * sc[None, :], axis=1)[:, None], 0.0)
+    tl.store(out_ptr + mi[None, :] * N + rows[:, None], acc, mask=r_ok[:, None] & (mi < M)[None, :])
+
+
+def gemv_m(xd, xs, wd, ws, bn=8, gk=4, warps=4, stages=3):
+    m, k = xd.shape
+    n = wd.shape[0]
+    out = torch.empty((m, n), device=xd.device, dtype=torch.float32)
+    _gemv_m_probe_kernel[(-(-n // bn),)](xd, xs, wd, ws, out, m, n, k, xd.stride(0), xs.stride(0), wd.stride(0),
+                                          ws.stride(0), BN=bn, GK=gk, MB=triton.next_power_of_2(m), STAGES=stages,
+                                          num_warps=warps)
+    return out
+
+
+def probe_gemm_narrow(copy_tbs: float, shapes=((4096, 14336),), ms=(4, 16)) -> None:
+    """Decode GEMM at M = 4 / 16 on 4096x14336: narrow weight tiles (block_n 16 / 32: MMA v2) with many groups per
+    step and deep pipelines (`_gps_probe_kernel`), and at M = 4 the GEMV generalized to 4 activation rows
+    (`_gemv_m_probe_kernel`), vs production (us, TB/s of weight bytes, x bf16 cuBLAS)."""
+    print(f"\n## decode GEMM at M = {ms}: narrow MMA tiles, GEMV for 4 rows (flush {FLUSH})")
+    for n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases(shapes, ms):
+        kb = k // 128
+        res = []
+        for bn in (16, 32):
+            for split in (1, 2, 4):
+                for gps in (2, 4, 8):
+                    if (-(-kb // split)) % gps:
+                        continue
+                    for stages in (3, 4, 6, 8):
+                        if gps * stages > 32 or gps * stages < 8:
+                            continue
+                        for tma in (False, True):
+                            cfg = dict(bn=bn, splits=split, warps=4, stages=stages, gps=gps, tma=tma)
+                            _sweep_one(res, cfg, lambda cfg=cfg: gps_gemm(xd, xs, wd, ws, **cfg), ref,
+                                       quiet="out of resource")
+        if m <= 4:
+            for bn in (4, 8, 16):
+                for gk in (2, 4, 8):
+                    for warps in (2, 4, 8):
+                        for stages in (2, 3, 4):
+                            if bn * gk * 128 // (32 * warps) > 128:
+                                continue
+                            cfg = dict(gemv_m=1, bn=bn, gk=gk, warps=warps, stages=stages)
+                            _sweep_one(res, cfg, lambda cfg=cfg: gemv_m(
+                                xd, xs, wd, ws, bn=cfg["bn"], gk=cfg["gk"], warps=cfg["warps"],
+                                stages=cfg["stages"]), ref, quiet="out of resource")
+        _case_line(n, k, m, t16, t0, wbytes)
+        _top(res, wbytes, copy_tbs, "production", n=10)
+        for kind in ("gemv_m", "bn16", "bn32"):
+            b = [r for r in res if (kind == "gemv_m") == ("gemv_m" in r[1])
+                 and (kind == "gemv_m" or r[1].get("bn") == int(kind[2:]))]
+            if b:
+                print(f"      best {kind}: {b[0][0]:6.1f} us {wbytes / b[0][0] / 1e6:5.2f} TB/s "
+                      f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]}", flush=True)
+
+
+def probe_rms_occupancy(copy_tbs: float) -> None:
+    """RMSNorm+quant 16384 x 7168 bf16: the production persistent kernel at 16 / 32 warps per row with registers
+    capped so that two programs fit per SM (16 warps: 81 registers uncapped, 64 capped -> 32 warps per SM and two
+    rows in flight, vs 8 warps x 122 registers x 2 programs in production); TB/s dirty / clean; bits vs production
+    (the sum of squares' order follows the warp count: last-bit rstd differences only)."""
+    from engine.kernels import sm_count
+    from engine.kernels.quant import _rmsnorm_quant_persistent_kernel as pers
+
+    m, k, x, w, ng, nbytes, (ref_d, ref_s) = _rms_case("\n## RMSNorm+quant 16384 x 7168, persistent kernel: warps per row x programs per SM x register cap")
+    for warps, pps, stages, maxr in ((8, 2, 3, None), (16, 2, 3, 64), (16, 2, 2, 64), (16, 2, 4, 64), (16, 2, 3, 56),
+                                     (16, 1, 3, None), (16, 1, 4, None), (32, 1, 3, None), (32, 1, 2, None),
+                                     (16, 3, 2, 40), (8, 3, 3, 80), (8, 4, 2, 64)):
+        out = torch.empty((m, k), device=DEV, dtype=torch.float8_e4m3fn)
+        sc = torch.empty((m, ng), device=DEV, dtype=torch.float32)
+
+        def run(warps=warps, pps=pps, stages=stages, maxr=maxr, out=out, sc=sc):
+            pers[(min(m, pps * sm_count(x.device)),)](x, w, out, sc, out, x, out, m, k, ng, 1e-5, G=64, STAGES=stages,
+                                                      STORE_HP=False, FAST=True, num_warps=warps,
+                                                      **({"maxnreg": maxr} if maxr else {}))
+            return out, sc
+        _rms_report(f"w{warps} pps{pps} s{stages} maxnreg={maxr}", run, (ref_d, ref_s), nbytes)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,attn,prefill")
@@ -849,6 +1262,7 @@ def main() -> int:
               "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
               "attn_fine": lambda c: probe_attention(c, "fine"), "attn_short": probe_attn_short,
               "decode_small_m": probe_decode_small_m, "rms_tma": probe_rms_tma, "gemv_graph": probe_gemv_graph, "gemv_knobs": probe_gemv_knobs,
+              "gemm_gps": probe_gemm_gps, "rms_warp": probe_rms_warp, "rms_parts": probe_rms_parts, "gemm_narrow": probe_gemm_narrow, "rms_occupancy": probe_rms_occupancy,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

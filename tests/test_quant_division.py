@@ -108,6 +108,46 @@ def test_the_refinement_step_is_what_makes_it_exact():
     assert (_e4m3(naive) != _e4m3(ref)).any()
 
 
+def _scale_by_constant(amax: torch.Tensor) -> torch.Tensor:
+    """The kernels' group scale: `_div_by_scale(amax, 448, RCP_448)` with exact fmas."""
+    from engine.kernels.quant import RCP_448
+
+    r = torch.full_like(amax, RCP_448.value)
+    s = torch.full_like(amax, E4M3_MAX)
+    q = amax * r
+    return fma32(fma32(q, s, -amax), -r, q)
+
+
+def test_scale_constant_is_rn_of_one_over_448():
+    from engine.kernels.quant import RCP_448
+
+    r = torch.tensor([RCP_448.value], dtype=torch.float32)
+    assert r.item() == RCP_448.value  # exactly representable: the kernel's constant has no rounding of its own
+    assert torch.equal(r, torch.ones(1) / E4M3_MAX)  # IEEE RN(1 / 448)
+
+
+def test_scale_division_by_the_constant_is_exact_over_the_fast_domain():
+    """The group scale amax / 448 by refinement with RN(1/448) equals IEEE division for every float32 significand
+    (the whole binade [1, 2): 2^23 values) and at every exponent of the fast domain (amax in [2^-80, 2^128),
+    where the quotients and residuals are normal, so the binade's result scales exactly)."""
+    one_binade = (torch.arange(2 ** 23, dtype=torch.int32) + (127 << 23)).view(torch.float32)
+    for e in (0, -80, -79, -40, 1, 60, 126, 127):
+        amax = torch.ldexp(one_binade, torch.tensor(float(e)))
+        assert torch.equal(_scale_by_constant(amax).view(torch.int32), (amax / E4M3_MAX).view(torch.int32)), e
+    g = torch.Generator().manual_seed(3)
+    amax = torch.ldexp(1.0 + torch.rand(1 << 16, generator=g), torch.randint(-80, 128, (1 << 16,), generator=g).float())
+    assert torch.equal(_scale_by_constant(amax).view(torch.int32), (amax / E4M3_MAX).view(torch.int32))
+
+
+def test_scale_needs_the_refinement():
+    """Negative control: amax * RN(1/448) alone misses the IEEE quotient for part of the binade."""
+    from engine.kernels.quant import RCP_448
+
+    amax = (torch.arange(2 ** 23, dtype=torch.int32) + (127 << 23)).view(torch.float32)
+    naive = amax * RCP_448.value
+    assert (naive.view(torch.int32) != (amax / E4M3_MAX).view(torch.int32)).sum().item() > 1000
+
+
 @pytest.mark.parametrize("amax", [2.0 ** -140, 2.0 ** -147])
 def test_tiny_amax_is_outside_the_fast_domain(amax):
     """Why the kernels fall back to IEEE division below 2^-80: for a subnormal amax, RN(1/s) overflows or
@@ -118,8 +158,8 @@ def test_tiny_amax_is_outside_the_fast_domain(amax):
 
 
 def test_fast_division_is_never_used_off_cuda(monkeypatch):
-    """The kernels take the fast division only on CUDA (the interpreter's fma rounds twice), and
-    ENGINE_FAST_QDIV=0 (`FAST_DIVISION`) turns it off there too."""
+    """The kernels take the fast division only on NVIDIA CUDA (the interpreter's fma rounds twice; the fast path
+    is inline PTX), and ENGINE_FAST_QDIV=0 (`FAST_DIVISION`) turns it off there too."""
     from engine.kernels import quant
 
     cpu = torch.zeros(1)
@@ -131,4 +171,7 @@ def test_fast_division_is_never_used_off_cuda(monkeypatch):
 
     assert quant.fast_division(FakeCuda()) is False
     monkeypatch.setattr(quant, "FAST_DIVISION", True)
+    monkeypatch.setattr(torch.version, "hip", None)
     assert quant.fast_division(FakeCuda()) is True
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # a ROCm build: the fast path's inline PTX cannot compile
+    assert quant.fast_division(FakeCuda()) is False

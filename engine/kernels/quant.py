@@ -4,8 +4,9 @@ Each kernel writes FP8 data plus fp32 group scales in the layout of
 `engine.formats.quantize(x, "e4m3:1x128")` (data (M, K) float8_e4m3fn, scales
 (M, ceil(K/128))), and its quantization is bit-exact with that library:
 
-* scale = amax(group) / 448 with IEEE round-to-nearest division (`tl.div_rn`),
-  1 for an all-zero group, NaN for a group holding a NaN;
+* scale = amax(group) / 448 with IEEE round-to-nearest division (`tl.div_rn`; on CUDA's fast path the same
+  quotient by refinement with RN(1/448), `_quant_groups_fast`), 1 for an all-zero group, NaN for a group
+  holding a NaN;
 * element = RNE(x / scale) with `tl.div_rn` -- on CUDA the same quotient from the reciprocal refinement of
   `_div_by_scale` wherever it is exact (`_quant_groups` FAST) -- converted to E4M3 with
   round-to-nearest-even (values never exceed 448 for dynamic scales).
@@ -38,6 +39,7 @@ from engine.kernels.pdl import launch_opts, pdl_enter
 
 GROUP = 128
 E4M3_MAX = 448.0
+RCP_448 = tl.constexpr(0.0022321429569274187)  # RN_fp32(1 / 448) = 0x3B124925, exact in fp32 (_quant_groups_fast)
 
 
 # ------------------------------------------------------------------ jit helpers
@@ -97,11 +99,38 @@ def _fast_domain(h, smask):
 @triton.jit
 def _quant_groups_fast(h, amax, off, mask, sptr, smask, out_ptr):
     """The fast-division quantization of h (R, 128) with its group amaxes (exact for groups in the domain of
-    `_fast_domain`, wrong bits for the others)."""
-    scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # E4M3 max normal
-    y = _div_by_scale(h, scale[:, None], tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)[:, None])
+    `_fast_domain`, wrong bits for the others). CUDA only (inline PTX).
+
+    scale = RN(amax / 448) by Markstein's refinement with the constant RN(1/448) (`_div_by_scale`: exact for
+    every amax in the fast domain, whose quotients are all normal; tests/test_quant_division.py checks a whole
+    binade against IEEE division); 1/scale by PTX rcp.rn.f32 (IEEE round-to-nearest, the bits of
+    div_rn(1, scale)). Each replaces an IEEE division's ~10-instruction sequence and slow-path branch. The
+    scales are stored from the reduction's own register layout (`_store_f32`)."""
+    scale = _div_by_scale(amax, tl.full(amax.shape, 448.0, tl.float32),  # E4M3 max normal
+                          tl.full(amax.shape, RCP_448, tl.float32))
+    y = _div_by_scale(h, scale[:, None], _rcp_rn(scale)[:, None])
     tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(sptr, scale, mask=smask)
+    _store_f32(sptr, scale, smask)
+
+
+@triton.jit
+def _rcp_rn(x):
+    """RN(1 / x) in fp32: PTX rcp.rn.f32 (IEEE 754 round to nearest; subnormals, zeros, infs as IEEE). CUDA only."""
+    return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _store_f32(ptr, v, mask):
+    """Masked fp32 store of v (any shape) from v's own register layout. CUDA only (inline PTX st.global.f32).
+
+    A tl.store of a reduction's result (a slice layout) makes Triton convert it to a store layout through
+    shared memory, with two CTA barriers: in the persistent RMSNorm kernel that was 2 of the row loop's 5
+    barriers, and the warps' wait at them was the kernel's largest stall (H200 ncu, benchmarks/results/
+    h200-2026-11-29-session10/). Threads that hold the same element store the same value to the same
+    address (one transaction per warp)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
+                              "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), v, mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -350,9 +379,10 @@ FAST_DIVISION = os.environ.get("ENGINE_FAST_QDIV", "1") != "0"  # see `_quant_gr
 
 
 def fast_division(x: torch.Tensor) -> bool:
-    """Whether the quant kernels may take `_div_by_scale` (same bits): on CUDA, unless ENGINE_FAST_QDIV=0 (or
-    `FAST_DIVISION` set False); never under the CPU interpreter, whose fma rounds twice."""
-    return FAST_DIVISION and x.is_cuda
+    """Whether the quant kernels may take the fast path (`_quant_groups_fast`, same bits): on NVIDIA CUDA (it
+    uses inline PTX), unless ENGINE_FAST_QDIV=0 (or `FAST_DIVISION` set False); never under the CPU
+    interpreter, whose fma rounds twice, nor on a ROCm build (where `is_cuda` is also true)."""
+    return FAST_DIVISION and x.is_cuda and torch.version.hip is None
 
 
 def _pow2_knob(name: str, v: int, hi: int) -> int:
