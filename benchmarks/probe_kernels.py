@@ -1099,6 +1099,8 @@ def _rms_parts_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, ep
         if G2 > 0:
             bad2 = bad2 | _rms_part_quant(x_ptr, w2, out_ptr, scale_ptr, row, base, G0 + G1, x2, rstd, M, K,
                                           n_groups, G2, RELOAD)
+    # Keep the flags live, as production's fallback branch does (else the compiler drops their per-row cost):
+    # a store whose mask is never true (flag is at most 3: one 0/1 maximum per tile).
     flag = tl.max(bad0, axis=0) + tl.max(bad1, axis=0) + tl.max(bad2, axis=0)
     tl.store(scale_ptr + tl.program_id(0) * 0, tl.load(scale_ptr), mask=flag > 1000000)
 
