@@ -399,14 +399,15 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                     print(f"    cuBLAS blockwise M={m}: {str(exc).splitlines()[0]}")
                 res.update({"cublas_block_us": tcb, "cublas_speedup_vs_bf16": res["bf16_us"] / tcb,
                             "split_k": splits, "block_m": bm, "block_n": bn, "tuned_config": cfg, "fp8_host_us": h8,
-                            "gemv": m == 1 and G.GEMV_M1})
+                            "gemv": m == 1 and G.GEMV_M1,
+                            "gemv_config": G.GEMV_CONFIGS.get((G._device_name(xd.device.type, xd.device.index), n, k))})
                 return res
 
             r = case("decode", f"{n}x{k} M={m}", run)
             if r:
                 ok = r["fp8_tbs"] >= TARGET_DECODE_TBS and r["speedup_vs_bf16"] >= TARGET_DECODE_SPEEDUP
                 r["meets_target"] = ok
-                kern = "GEMV" if r["gemv"] else f"split={r['split_k']} BN={r['block_n']} {r['tuned_config']}"
+                kern = (f"GEMV GEMV_CONFIGS {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else f"split={r['split_k']} BN={r['block_n']} {r['tuned_config']}"
                 say(f"  {n:>5}x{k:<7} {m:>3} {r['bf16_us']:8.1f} {r['bf16_tbs']:5.2f} {r['fp8_us']:7.1f} "
                     f"{r['fp8_tbs']:5.2f} {100 * r['fp8_tbs'] / read_tbs:4.0f}% {r['speedup_vs_bf16']:5.2f}x | "
                     f"{r['bf16_tbs_dirty']:9.2f} {r['fp8_tbs_dirty']:8.2f} {r['speedup_vs_bf16_dirty']:5.2f}x | "

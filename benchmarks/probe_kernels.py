@@ -27,6 +27,12 @@
 * rms_warp / rms_parts / rms_occupancy (session 10, RMSNorm+quant 16384 x 7168): 1-2 warps per row in two
   chunked passes; rows as 32 + 16 + 8 group tiles (`_rms_parts_probe_kernel`); 16 / 32 warps per row with
   registers capped for 2 programs per SM.
+* gemm_floor / gemm_timeline / gemm_carveout / gemm_tail / gemm_nosplit / gemm_noswap (session 11, 4096x14336):
+  what one decode call can reach (the fixed cost of a timed call, the fastest read of the weight's bytes, the
+  split-K access pattern without MMA on row-major and tiled weights); per-program start / end times from
+  %globaltimer; time outside the programs vs shared memory and carveout; the split-K reduce's cost and its
+  handshake variants (`_gps_probe_kernel` REDUCE modes); no split-K (narrow tiles, the activation on the wgmma M
+  side).
 """
 
 from __future__ import annotations
@@ -859,13 +865,21 @@ def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
 
 @triton.jit
 def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, groups_per_split,
-                      n_splits, stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
-                      BM: tl.constexpr, BN: tl.constexpr, GPS: tl.constexpr, USE_TMA: tl.constexpr):
+                      n_splits, stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg, dbg_ptr,
+                      BM: tl.constexpr, BN: tl.constexpr, GPS: tl.constexpr, USE_TMA: tl.constexpr,
+                      REDUCE: tl.constexpr = 0, SPLITS: tl.constexpr = 1):
     """The production split-K decode kernel (`_fp8_block_gemm_kernel`, fused reduce) walking GPS adjacent 128-groups
     per loop step (GPS*128 contiguous bytes of each weight row loaded per stage; W optionally through a TMA
     descriptor). Each group's dot is scaled and accumulated in the production order, so the bits equal
     production's for the same split when groups_per_split % GPS == 0. The next step's GPS scales are loaded one
-    step ahead as a vector and picked by a one-hot sum (exact)."""
+    step ahead as a vector and picked by a one-hot sum (exact).
+
+    REDUCE (session 11), the split-K handshake: 0 production up to session 10 (partials by tl.store, acq_rel
+    arrival atomic, acq_rel counter reset); 1 the same with the reset a plain store (production since session 11);
+    2 relaxed stores from the accumulator's registers into a PENDING_BITS workspace, a relaxed arrival (no fence),
+    the last split polls the partials until none reads PENDING_BITS and restores the pattern; 3 as 2 with the
+    partials stored / polled by tl.store / volatile tl.load (Triton's coalescing layout). Modes 2 / 3 write the
+    number of polling passes of each tile to dbg_ptr."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -904,11 +918,12 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
             acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    tile = pid_m * tl.num_programs(0) + pid_n
+    mn = M.to(tl.int64) * N
     if n_splits == 1:
         tl.store(out_ptr + idx, acc, mask=mask)
-    else:
+    elif REDUCE <= 1:
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + idx, acc, mask=mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == n_splits - 1:
@@ -916,11 +931,100 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
             for s in range(n_splits):
                 tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + idx, tot, mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+            if REDUCE == 0:
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+            else:
+                tl.store(cnt_ptr + tile, 0)
+    elif REDUCE == 2:
+        bits = acc.to(tl.int32, bitcast=True)
+        _st_relaxed_b32(part_ptr + pid_s * mn + idx, tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits), mask)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="relaxed", scope="gpu")
+        if arrived == SPLITS - 1:
+            passes = 1
+            tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS)
+            while pending:
+                passes += 1
+                tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS)
+            for s in tl.static_range(SPLITS):
+                _st_relaxed_b32(part_ptr + s * mn + idx, tl.full((BN, BM), PENDING_BITS, tl.int32), mask)
+            tl.store(cnt_ptr + tile, 0)
+            tl.store(dbg_ptr + tile, passes)
+            tl.store(out_ptr + idx, tot, mask=mask)
+    else:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits)
+        tl.store(part_ptr + pid_s * mn + idx, bits.to(tl.float32, bitcast=True), mask=mask)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="relaxed", scope="gpu")
+        if arrived == SPLITS - 1:
+            passes = 1
+            tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, True)
+            while pending:
+                passes += 1
+                tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, True)
+            for s in tl.static_range(SPLITS):
+                tl.store(part_ptr + s * mn + idx, tl.full((BN, BM), PENDING_BITS, tl.int32).to(tl.float32, bitcast=True),
+                         mask=mask)
+            tl.store(cnt_ptr + tile, 0)
+            tl.store(dbg_ptr + tile, passes)
+            tl.store(out_ptr + idx, tot, mask=mask)
 
 
-def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=False):
-    """`_gps_probe_kernel` (fp32 out, fused split-K reduce)."""
+# Split-K handshake modes 2 / 3 of `_gps_probe_kernel` (session 11, not adopted): partials live in a workspace that
+# holds this fp32 NaN pattern where no partial is pending (GPU arithmetic returns the canonical NaN 0x7FFFFFFF, and a
+# program storing the pattern stores that instead), so the last split can poll for partials that have not landed.
+PENDING_BITS = tl.constexpr(0x7FBADBAD)
+CANONICAL_NAN_BITS = tl.constexpr(0x7FFFFFFF)
+_PENDING: dict = {}
+
+
+def _pending_workspace(n: int) -> torch.Tensor:
+    """A PENDING_BITS-filled fp32 workspace of >= n elements (modes 2 / 3 leave it so)."""
+    buf = _PENDING.get("buf")
+    if buf is None or buf.numel() < n:
+        buf = torch.full((max(n, 1 << 20),), PENDING_BITS.value, dtype=torch.int32, device=DEV).view(torch.float32)
+        _PENDING["buf"] = buf
+    return buf
+
+
+@triton.jit
+def _st_relaxed_b32(ptr, bits, mask):
+    """st.relaxed.gpu.global.b32 of int32 bits wherever mask, from the operands' own register layout."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.gpu.global.b32 [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), bits, mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _ld_relaxed_b32(ptr, mask):
+    """ld.relaxed.gpu.global.b32 wherever mask (0 elsewhere), re-issued on every call."""
+    return tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; "
+                                     "@p ld.relaxed.gpu.global.b32 $0, [$1]; }", "=r,l,r",
+                                     [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _sum_partials(part_ptr, idx, mask, MN, BN: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr,
+                  VOLATILE: tl.constexpr = False):
+    """(the SPLITS partials of a tile summed in split order, whether any element still read PENDING_BITS), through
+    `_ld_relaxed_b32` in the accumulator's layout or volatile tl.load in Triton's own load layout."""
+    tot = tl.zeros((BN, BM), dtype=tl.float32)
+    pending = tl.zeros((BN, BM), dtype=tl.int32)
+    for s in tl.static_range(SPLITS):
+        if VOLATILE:
+            v = tl.load(part_ptr + s * MN + idx, mask=mask, other=0.0, volatile=True)
+            bits = v.to(tl.int32, bitcast=True)
+        else:
+            bits = _ld_relaxed_b32(part_ptr + s * MN + idx, mask)
+            v = bits.to(tl.float32, bitcast=True)
+        pending += (bits == PENDING_BITS).to(tl.int32)
+        tot += v
+    return tot, tl.sum(tl.sum(pending, axis=1), axis=0) > 0
+
+
+def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=False, reduce=0, dbg=None):
+    """`_gps_probe_kernel` (fp32 out, fused split-K reduce `reduce`; dbg: an int32 tensor of >= tiles elements for
+    the polling passes of modes 2 / 3)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from engine.kernels import gemm as G
@@ -933,13 +1037,17 @@ def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=Fals
         raise ValueError(f"{per} groups per split is not a multiple of gps {gps}")
     bm = max(16, triton.next_power_of_2(m))
     out = torch.empty((m, n), device=xd.device, dtype=torch.float32)
-    part = torch.empty((splits, m, n), device=xd.device, dtype=torch.float32)
+    if reduce >= 2:
+        part = _pending_workspace(splits * m * n)
+    else:
+        part = torch.empty((splits, m, n), device=xd.device, dtype=torch.float32)
     grid = (-(-n // bn), -(-m // bm), splits)
     cnt = G._tile_counters(xd.device, grid[0] * grid[1])
     desc = TensorDescriptor.from_tensor(wd, [bn, 128]) if tma else None
     _gps_probe_kernel[grid](desc, xd, xs, wd, ws, out, part, cnt, m, n, k, per, splits, xd.stride(0), wd.stride(0),
-                            xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), BM=bm, BN=bn, GPS=gps,
-                            USE_TMA=tma, num_warps=warps, num_stages=stages)
+                            xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dbg if dbg is not None else cnt,
+                            BM=bm, BN=bn, GPS=gps, USE_TMA=tma, REDUCE=reduce, SPLITS=splits if reduce >= 2 else 1,
+                            num_warps=warps, num_stages=stages)
     return out
 
 
@@ -1246,6 +1354,494 @@ def probe_rms_occupancy(copy_tbs: float) -> None:
         _rms_report(f"w{warps} pps{pps} s{stages} maxnreg={maxr}", run, (ref_d, ref_s), nbytes)
 
 
+# ---------------------------------------------------------------- session 11: what a single decode call can reach
+@triton.jit
+def _now(dep):
+    """%globaltimer (ns) as int64; dep (any scalar) only orders the read after it. CUDA only."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _smid(dep):
+    """The SM this program runs on. CUDA only."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _noop_kernel(out_ptr):
+    """One program storing one word: the fixed cost of a timed call (launch, events) with no memory traffic."""
+    tl.store(out_ptr + tl.program_id(0), 0)
+
+
+@triton.jit
+def _chunk_read_kernel(src_ptr, out_ptr, n_words, per_prog, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Stream one contiguous chunk of per_prog int32 words per program (the tail masked); store their xor."""
+    start = tl.program_id(0).to(tl.int64) * per_prog
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in tl.range(0, per_prog, BLOCK, num_stages=STAGES):
+        offs = start + i + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+@triton.jit
+def _tile_read_kernel(w_ptr, out_ptr, t_ptr, groups_per_split, n_groups, stride_wt, stride_wn, stride_wg,
+                      BN: tl.constexpr, STAGES: tl.constexpr, TIMES: tl.constexpr = False):
+    """The decode GEMM's weight access pattern without the MMA: grid (N tiles, K splits), one (BN, 128)-byte tile
+    per step, read as int32 words (strides in words) and xor-reduced. TIMES: t[program] = (start ns, end ns, SM)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if TIMES:
+        t_start = _now(pid_n)
+    base = (w_ptr + pid_n.to(tl.int64) * stride_wt + tl.arange(0, BN)[:, None] * stride_wn
+            + tl.arange(0, 32)[None, :])
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, n_groups)
+    acc = tl.zeros((BN, 32), dtype=tl.int32)
+    for g in tl.range(g0, g1, num_stages=STAGES):
+        acc ^= tl.load(base + g * stride_wg)
+    tl.store(out_ptr + pid_n * tl.num_programs(1) + pid_s, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+    if TIMES:
+        _store_times(t_ptr, pid_n * tl.num_programs(1) + pid_s, t_start, pid_n)
+
+
+@triton.jit
+def _store_times(t_ptr, prog, t_start, dep):
+    """t[prog] = (t_start, now, SM id) as int64."""
+    tl.store(t_ptr + prog * 3, t_start)
+    tl.store(t_ptr + prog * 3 + 1, _now(dep))
+    tl.store(t_ptr + prog * 3 + 2, _smid(dep).to(tl.int64))
+
+
+@triton.jit
+def _layout_gemm_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, t_ptr, M, N, K, groups_per_split,
+                              stride_xm, stride_xsm, stride_wsn, stride_wt, stride_wn, stride_wg, t_row, g_row, g_col,
+                              BM: tl.constexpr, BN: tl.constexpr, USE_TMA: tl.constexpr, TIMES: tl.constexpr = False,
+                              SWAP: tl.constexpr = True):
+    """The production split-K loop (one FP8 dot per 128-group, promoted and scaled per group, scales one step ahead)
+    on a weight in any tile layout: element (n, g*128 + c) at w_ptr + (n // BN) * stride_wt + (n % BN) * stride_wn
+    + g * stride_wg + c (row-major: stride_wt = BN * K, stride_wn = K, stride_wg = 128; tiled (N/BN, K/128, BN, 128):
+    K/128 * BN * 128, 128, BN * 128), or through a 2-D TMA descriptor at rows pid_n * t_row + g * g_row, column
+    g * g_col. Partials go to part[split] (summed by torch: the reduce is not timed, for every layout alike).
+    TIMES: t[program] = (start ns, end ns, SM) as `_tile_read_kernel`. SWAP (production): acc (BN, BM) = W @ X^T, the
+    weight rows on the MMA's M side; else acc (BM, BN) = X @ W^T, X's rows padded to BM >= 64 (the wgmma M) and the
+    weight tile on the MMA's N side, which may be as narrow as 16."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if TIMES:
+        t_start = _now(pid_n)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    w_tile = w_ptr + pid_n.to(tl.int64) * stride_wt + tl.arange(0, BN)[:, None] * stride_wn + offs_k[None, :]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
+    xs_rows = xs_ptr + offs_m * stride_xsm
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    ws_next = tl.load(ws_row + g0)
+    xs_next = tl.load(xs_rows + g0, mask=m_ok, other=0.0)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(g0, g1):
+        ws = ws_next
+        xs = xs_next
+        ws_next = tl.load(ws_row + g + 1, mask=g + 1 < g1, other=0.0)
+        xs_next = tl.load(xs_rows + g + 1, mask=m_ok & (g + 1 < g1), other=0.0)
+        if USE_TMA:
+            w = w_desc.load([pid_n * t_row + g * g_row, g * g_col])
+        else:
+            w = tl.load(w_tile + g * stride_wg)
+        x = tl.load(x_rows + (g * 128 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+        if SWAP:
+            acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+        else:
+            acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
+    if SWAP:
+        tl.store(part_ptr + pid_s * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=m_ok[None, :])
+    else:
+        tl.store(part_ptr + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
+    if TIMES:
+        _store_times(t_ptr, pid_n * tl.num_programs(1) + pid_s, t_start, pid_n)
+
+
+_LAST: dict = {}  # name -> the CompiledKernel of the wrapper's latest launch
+
+
+def tile_weight(wd: torch.Tensor, bn: int) -> torch.Tensor:
+    """(N, K) -> (N/bn, K/128, bn, 128) contiguous: each split-K program's weight is one contiguous range."""
+    n, k = wd.shape
+    return wd.view(n // bn, bn, k // 128, 128).permute(0, 2, 1, 3).contiguous()
+
+
+def layout_gemm(xd, xs, wd, ws, wt=None, bn=64, splits=4, warps=4, stages=4, tma=False, times=None, swap=True):
+    """`_layout_gemm_probe_kernel` on the row-major weight wd, or on wt = tile_weight(wd, bn) when given; returns
+    the split partials (splits, M, N). times: an int64 (programs, 3) tensor to record into."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = xd.shape
+    n = wd.shape[0]
+    kb = k // 128
+    per = -(-kb // splits)
+    part = torch.empty((splits, m, n), device=xd.device, dtype=torch.float32)  # every (split, row < M, n) written
+    if wt is None:
+        strides, rows = (bn * k, k, 128), (bn, 0, 128)
+        desc = TensorDescriptor.from_tensor(wd, [bn, 128]) if tma else None
+    else:
+        strides, rows = (kb * bn * 128, 128, bn * 128), (kb * bn, bn, 0)
+        desc = TensorDescriptor.from_tensor(wt.view(-1, 128), [bn, 128]) if tma else None
+    _LAST["layout_gemm"] = _layout_gemm_probe_kernel[(n // bn, splits)](
+        desc, xd, xs, wd if wt is None else wt, ws, part, times if times is not None else part, m, n, k, per,
+        xd.stride(0), xs.stride(0), ws.stride(0), *strides, *rows,
+        BM=max(16 if swap else 64, triton.next_power_of_2(m)), BN=bn, USE_TMA=tma, TIMES=times is not None, SWAP=swap,
+        num_warps=warps, num_stages=stages)
+    return part
+
+
+def _read_floor(nbytes: int, sms: int) -> tuple[float, dict]:
+    """The fastest one-call contiguous read of nbytes (programs per SM, words per step, warps, stages swept)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.int32, device=DEV)
+    out = torch.empty(64 * sms, dtype=torch.int32, device=DEV)
+    best = (float("inf"), {})
+    for pps in (1, 2, 4, 8, 16, 32):
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    progs = pps * sms
+                    per = -(-buf.numel() // progs)
+                    per = -(-per // block) * block
+                    t = time_us(lambda: _chunk_read_kernel[(progs,)](buf, out, buf.numel(), per, BLOCK=block,
+                                                                     STAGES=stages, num_warps=warps), reps=20)
+                    if t < best[0]:
+                        best = (t, dict(progs_per_sm=pps, block=block, warps=warps, stages=stages))
+    t_amax = time_us(lambda: buf.amax(), reps=20)
+    if t_amax < best[0]:
+        best = (t_amax, {"torch": "amax"})
+    return best
+
+
+def probe_gemm_floor(copy_tbs: float, ms=(4, 16)) -> None:
+    """What one decode GEMM call can reach: the fixed cost of a timed call (`_noop_kernel`), the fastest contiguous
+    read of each decode weight's bytes (`_chunk_read_kernel`, swept; torch amax), the split-K access pattern
+    without MMA on the row-major and on a tiled (N/BN, K/128, BN, 128) weight (`_tile_read_kernel`), and the
+    split-K loop itself on both layouts, plain or TMA loads (`_layout_gemm_probe_kernel`, reduce not timed), vs
+    production on 4096x14336."""
+    from engine.kernels import sm_count
+
+    sms = sm_count(torch.device(DEV))
+    print(f"\n## one decode call: fixed cost, read floors, access pattern, weight layout (flush {FLUSH})")
+    one = torch.zeros(1, dtype=torch.int32, device=DEV)
+    t_noop = time_us(lambda: _noop_kernel[(1,)](one), reps=50)
+    many = torch.zeros(2 * sms, dtype=torch.int32, device=DEV)
+    t_noop_full = time_us(lambda: _noop_kernel[(2 * sms,)](many), reps=50)
+    print(f"  empty kernel: 1 program {t_noop:.2f} us, {2 * sms} programs {t_noop_full:.2f} us", flush=True)
+    floors = {}
+    for n, k in DECODE_SHAPES:
+        nbytes = n * k + (n // 128) * (k // 128) * 4
+        t, cfg = _read_floor(nbytes, sms)
+        floors[(n, k)] = t
+        print(f"  read floor {n}x{k} ({nbytes / 1e6:.1f} MB): {t:6.2f} us {nbytes / t / 1e6:5.2f} TB/s {cfg}; "
+              f"3.0 TB/s needs {nbytes / 3e6:.2f} us", flush=True)
+    n, k = 4096, 14336
+    kb = k // 128
+    _, _, wd, ws = fp8_block_operands(1, n, k, seed=n)
+    wbytes = wd.numel() + ws.numel() * 4
+    out = torch.empty(16 * sms * 16, dtype=torch.int32, device=DEV)
+    print(f"\n  {n}x{k}: the split-K access pattern without MMA (us; fastest stages of 2-6)")
+    tiled = {bn: tile_weight(wd, bn) for bn in (64, 128)}
+    for bn in (64, 128):
+        for split in (1, 2, 4, 7, 8, 14):
+            if (n // bn) * split < sms or (n // bn) * split > 16 * sms:
+                continue
+            per = -(-kb // split)
+            row = []
+            for name, src, strides in (("row-major", wd, (bn * k // 4, k // 4, 32)),
+                                       ("tiled", tiled[bn], (kb * bn * 32, 32, bn * 32))):
+                w32 = src.view(torch.int32)
+                ts = [time_us(lambda st=st: _tile_read_kernel[(n // bn, split)](
+                    w32, out, out, per, kb, *strides, BN=bn, STAGES=st, num_warps=4), reps=20) for st in (2, 3, 4, 5, 6)]
+                row.append(f"{name} {min(ts):6.2f} us {wbytes / min(ts) / 1e6:5.2f} TB/s")
+            print(f"    BN={bn:3d} splits={split:2d}: " + " | ".join(row), flush=True)
+    for n_, k_, m, (xd, xs, wd_, ws_), wbytes_, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes_)
+        res = []
+        for layout in ("row-major", "tiled"):
+            for tma in (False, True):
+                for bn in (64, 128):
+                    wt = tile_weight(wd_, bn) if layout == "tiled" else None
+                    for split in (2, 4, 7, 8, 14):
+                        if (n // bn) * split < sms or (n // bn) * split > 16 * sms:
+                            continue
+                        for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4)):
+                            cfg = dict(layout=layout, bn=bn, splits=split, warps=warps, stages=stages, tma=tma)
+                            _sweep_one(res, cfg, lambda cfg=cfg, wt=wt: layout_gemm(
+                                xd, xs, wd_, ws_, wt=wt, **{c: v for c, v in cfg.items() if c != "layout"}), ref,
+                                quiet="out of resource")
+        _top(res, wbytes_, copy_tbs, "production", n=8)
+        for layout in ("row-major", "tiled"):
+            for tma in (False, True):
+                b = [r for r in res if r[1]["layout"] == layout and r[1]["tma"] == tma]
+                if b:
+                    print(f"      best {layout:9} tma={tma!s:5}: {b[0][0]:6.2f} us {wbytes_ / b[0][0] / 1e6:5.2f} TB/s "
+                          f"{t16 / b[0][0]:4.2f}x bf16 ({100 * floors[(n, k)] / b[0][0]:.0f}% of the read floor) "
+                          f"{b[0][1]}", flush=True)
+
+
+def _timeline(run, n_progs: int, reps: int = 15) -> dict:
+    """Per-program (start, end, SM) of run(times) over reps timed like `time_us` (flush, GPU sleep, events): the
+    rep with the median event time, summarized."""
+    from benchmarks.bench_gemm import _evict_l2, _gpu_sleep
+
+    bufs = [torch.zeros((n_progs, 3), dtype=torch.int64, device=DEV) for _ in range(reps)]
+    run(bufs[0])
+    _evict_l2(FLUSH)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for (a, b), buf in zip(ev, bufs):
+        _evict_l2(FLUSH)
+        _gpu_sleep(200.0)
+        a.record()
+        run(buf)
+        b.record()
+    torch.cuda.synchronize()
+    us = [a.elapsed_time(b) * 1e3 for a, b in ev]
+    i = sorted(range(reps), key=lambda j: us[j])[reps // 2]
+    t = bufs[i].double().cpu()
+    st, en, sm = t[:, 0] - t[:, 0].min(), t[:, 1] - t[:, 0].min(), t[:, 2].long()
+    dur = (en - st) / 1e3
+    per_sm = torch.bincount(sm)
+    return dict(event_us=us[i], span_us=float(en.max()) / 1e3, start_skew_us=float(st.max()) / 1e3,
+                first_end_us=float(en.min()) / 1e3, dur_p10=float(dur.quantile(0.1)), dur_p50=float(dur.median()),
+                dur_max=float(dur.max()), progs_per_sm=f"{int(per_sm[per_sm > 0].min())}-{int(per_sm.max())}",
+                sms_used=int((per_sm > 0).sum()))
+
+
+def _timeline_case(m: int):
+    """4096x14336 operands at M = m for the timeline probes: (N, K, K/128, (xd, xs, wd, ws), weight bytes, the
+    weight as int32 words, an int32 scratch output for `_tile_read_kernel`)."""
+    n, k = 4096, 14336
+    xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+    _, _, wd, ws = fp8_block_operands(1, n, k, seed=n)
+    out = torch.empty(16 * 132 * 16, dtype=torch.int32, device=DEV)
+    return n, k, k // 128, (xd, xs, wd, ws), wd.numel() + ws.numel() * 4, wd.view(torch.int32), out
+
+
+def probe_gemm_timeline(copy_tbs: float, m: int = 4) -> None:
+    """4096x14336 at M = 4: when each program starts and ends (%globaltimer) for the split-K access pattern without
+    MMA (`_tile_read_kernel`) and the split-K MMA loop (`_layout_gemm_probe_kernel`), timed as `time_us`: whether
+    the MMA kernel's extra time over a pure read is in its start, its steady state or its tail."""
+    n, k, kb, (xd, xs, wd, ws), wbytes, w32, out = _timeline_case(m)
+    print(f"\n## program timeline, {n}x{k} M={m} (flush {FLUSH}; us from the first program's start)")
+    print(f"  {'kernel':58} {'event':>6} {'span':>6} {'start':>6} {'1st end':>7} {'dur p10':>7} {'p50':>6} "
+          f"{'max':>6} {'TB/s span':>9} progs/SM")
+    cases = []
+    for bn, split, st in ((64, 4, 3), (64, 4, 5), (64, 8, 4), (128, 7, 3)):
+        per = -(-kb // split)
+        cases.append((f"pattern read BN={bn} splits={split} stages={st}", (n // bn) * split,
+                      lambda buf, bn=bn, split=split, st=st, per=per: _tile_read_kernel[(n // bn, split)](
+                          w32, out, buf, per, kb, bn * k // 4, k // 4, 32, BN=bn, STAGES=st, TIMES=True,
+                          num_warps=4)))
+    for bn, split, st, tiled, tma in ((64, 4, 5, False, False), (64, 4, 3, False, False), (64, 8, 4, False, False),
+                                      (128, 7, 3, True, False), (128, 8, 4, False, True)):
+        wt = tile_weight(wd, bn) if tiled else None
+        cases.append((f"MMA {'tiled' if tiled else 'row-major'} BN={bn} splits={split} stages={st} tma={tma}",
+                      (n // bn) * split,
+                      lambda buf, bn=bn, split=split, st=st, wt=wt, tma=tma: layout_gemm(
+                          xd, xs, wd, ws, wt=wt, bn=bn, splits=split, stages=st, tma=tma, times=buf)))
+    for name, progs, run in cases:
+        r = _timeline(run, progs)
+        print(f"  {name:58} {r['event_us']:6.2f} {r['span_us']:6.2f} {r['start_skew_us']:6.2f} "
+              f"{r['first_end_us']:7.2f} {r['dur_p10']:7.2f} {r['dur_p50']:6.2f} {r['dur_max']:6.2f} "
+              f"{wbytes / r['span_us'] / 1e6:9.2f} {r['progs_per_sm']} on {r['sms_used']} SMs", flush=True)
+
+
+def _set_carveout(kernel, cache_config=None, carveout=None) -> None:
+    """cuFuncSetCacheConfig / the preferred shared-memory carveout (percent) of a compiled Triton kernel (ctypes on
+    libcuda; Triton itself sets CU_FUNC_CACHE_PREFER_SHARED on kernels with more than 48 KB of shared memory)."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    kernel._init_handles()
+    fn = ctypes.c_void_p(kernel.function)
+    if cache_config is not None:
+        rc = cu.cuFuncSetCacheConfig(fn, ctypes.c_int(cache_config))
+        assert rc == 0, f"cuFuncSetCacheConfig -> {rc}"
+    if carveout is not None:
+        rc = cu.cuFuncSetAttribute(fn, ctypes.c_int(9), ctypes.c_int(carveout))  # PREFERRED_SHARED_MEMORY_CARVEOUT
+        assert rc == 0, f"cuFuncSetAttribute(carveout) -> {rc}"
+
+
+def probe_gemm_carveout(copy_tbs: float, m: int = 4) -> None:
+    """4096x14336 at M = 4: the time a single call spends outside its programs (event time minus the span from the
+    first program's start to the last one's end) against the kernel's shared memory and its L1 / shared carveout
+    preference, and with the same kernel run just before the flush (the SMs already configured for it)."""
+    n, k, kb, (xd, xs, wd, ws), wbytes, w32, out = _timeline_case(m)
+    print(f"\n## outside-the-programs time vs shared memory / carveout, {n}x{k} M={m} (flush {FLUSH})")
+    print(f"  {'kernel':64} {'smem KB':>7} {'event':>6} {'span':>6} {'outside':>7} {'TB/s':>5}")
+
+    def line(name, run, progs, kern):
+        r = _timeline(run, progs)
+        print(f"  {name:64} {kern.metadata.shared / 1024:7.1f} {r['event_us']:6.2f} {r['span_us']:6.2f} "
+              f"{r['event_us'] - r['span_us']:7.2f} {wbytes / r['event_us'] / 1e6:5.2f}", flush=True)
+
+    per = kb // 4
+    for st in (2, 3, 4, 5, 6, 7, 8):
+        run = (lambda buf, st=st: _tile_read_kernel[(n // 64, 4)](w32, out, buf, per, kb, 64 * k // 4, k // 4, 32,
+                                                                   BN=64, STAGES=st, TIMES=True, num_warps=4))
+        kern = run(torch.zeros((256, 3), dtype=torch.int64, device=DEV))
+        line(f"pattern read BN=64 splits=4 stages={st}", run, 256, kern)
+    for st in (2, 3, 4, 5, 6):
+        run = (lambda buf, st=st: layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=st, times=buf))
+        run(torch.zeros((256, 3), dtype=torch.int64, device=DEV))
+        kern = _LAST["layout_gemm"]
+        line(f"MMA BN=64 splits=4 stages={st}", run, 256, kern)
+        if st == 5:
+            for cc, cv, label in ((0, None, "cache config none"), (0, 100, "none + carveout 100%"),
+                                  (1, 100, "prefer shared + carveout 100%"), (3, None, "prefer equal"),
+                                  (1, None, "prefer shared (Triton's)")):
+                try:
+                    _set_carveout(kern, cc, cv)
+                    line(f"MMA BN=64 splits=4 stages=5, {label}", run, 256, kern)
+                except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                    print(f"    {label}: FAILED {type(exc).__name__}: {exc}")
+
+            print("  (next: the same kernel also runs right before each flush)")
+            from benchmarks import bench_gemm as B
+            orig = B._evict_l2
+
+            def evict_after_prime(flush, run=run):
+                run(torch.zeros((256, 3), dtype=torch.int64, device=DEV))
+                orig(flush)
+            B._evict_l2 = evict_after_prime
+            try:
+                line("MMA BN=64 splits=4 stages=5, primed", run, 256, kern)
+            finally:
+                B._evict_l2 = orig
+    print("\n  production and bf16 cuBLAS, one call (us): as timed by bench_gemm | the same call also right before "
+          "each flush")
+    import torch.nn.functional as F
+
+    from benchmarks import bench_gemm as B
+    from engine.kernels import gemm as G
+
+    w16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    for mm in (1, 4, 16):
+        xd, xs, _, _ = fp8_block_operands(mm, 16, k, seed=mm)
+        x16 = torch.randn(mm, k, device=DEV, dtype=torch.bfloat16)
+        row = []
+        for name, fn in (("fp8", lambda: G.fp8_block_linear(xd, xs, wd, ws)), ("bf16", lambda: F.linear(x16, w16))):
+            t = time_us(fn, reps=30)
+            orig = B._evict_l2
+
+            def evict_after_prime(flush, fn=fn, orig=orig):
+                fn()
+                orig(flush)
+            B._evict_l2 = evict_after_prime
+            try:
+                tp = time_us(fn, reps=30)
+            finally:
+                B._evict_l2 = orig
+            row.append((t, tp))
+        (t8, t8p), (t16, t16p) = row
+        print(f"    M={mm:2d}: fp8 {t8:6.2f} | {t8p:6.2f} us ({wbytes / t8 / 1e6:.2f} | {wbytes / t8p / 1e6:.2f} TB/s); "
+              f"bf16 {t16:6.2f} | {t16p:6.2f} us; x bf16 {t16 / t8:.2f} | {t16p / t8p:.2f}", flush=True)
+
+
+def probe_gemm_tail(copy_tbs: float, ms=(4, 16)) -> None:
+    """4096x14336 at M = 4 / 16, one call each (us): production's split-K kernel with its fused reduce, with the
+    separate reduce kernel, `_gps_probe_kernel` (production's loop and fused reduce), and the split-K loop alone
+    (`_layout_gemm_probe_kernel`: partials only, no reduce) -- what the reduce at the end of a call costs; then
+    the M = 1 GEMV's knobs on this shape."""
+    from engine.kernels import gemm as G
+
+    n, k = 4096, 14336
+    f32 = torch.float32
+    print(f"\n## split-K reduce cost, {n}x{k} (flush {FLUSH}; production knobs: 4 splits, BN 64, 4 warps, 5 stages)")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        knobs = dict(split_k=4, block_n=64, num_warps=4, num_stages=5)
+        dbg = torch.zeros(4096, dtype=torch.int32, device=DEV)
+        for name, fn in (
+                ("production, fused reduce", lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32,
+                                                                             fused_reduce=True, **knobs)),
+                ("production, reduce kernel", lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32,
+                                                                              fused_reduce=False, **knobs)),
+                ("gps probe, reduce 0 (session 10)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5)),
+                ("gps probe, reduce 1 (plain reset)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5,
+                                                                       reduce=1)),
+                ("gps probe, reduce 2 (poll, regs)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5,
+                                                                      reduce=2, dbg=dbg)),
+                ("gps probe, reduce 3 (poll, tl.load)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5,
+                                                                         reduce=3, dbg=dbg)),
+                ("split-K loop alone, partials", lambda: layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5))):
+            out = fn()
+            err = ((out.sum(0) if out.dim() == 3 else out) - ref).abs().max().item() / ref.abs().max().item()
+            ts = sorted(time_us(fn, reps=30) for _ in range(3))
+            polls = ""
+            if "poll" in name:
+                d = dbg[: n // 64].float()
+                polls = f"  polling passes per tile: mean {float(d.mean()):.2f} max {int(d.max())}"
+            print(f"    {name:36} {ts[1]:6.2f} us (of 3 runs: {ts[0]:.2f}-{ts[2]:.2f}) {wbytes / ts[1] / 1e6:5.2f} TB/s "
+                  f"{t16 / ts[1]:4.2f}x bf16  rel err vs production {err:.1e}{polls}", flush=True)
+        r = _timeline(lambda buf: layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5, times=buf), 256)
+        print(f"    split-K loop alone, timeline: event {r['event_us']:.2f} span {r['span_us']:.2f} outside "
+              f"{r['event_us'] - r['span_us']:.2f} us", flush=True)
+    probe_gemv_knobs(copy_tbs, shapes=((n, k),))
+
+
+def probe_gemm_nosplit(copy_tbs: float, ms=(4, 16)) -> None:
+    """4096x14336 at M = 4 / 16 without a split-K reduce: `_layout_gemm_probe_kernel` with 1-2 K splits on narrow
+    weight tiles (BN 16 / 32: 256 / 128 programs) and deep pipelines, so that one call ends with its own stores
+    (split 1 is a complete GEMM; split 2's partials are summed by torch, untimed)."""
+    n, k = 4096, 14336
+    print(f"\n## no split-K reduce: narrow tiles, deep pipelines, {n}x{k} (flush {FLUSH})")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        res = []
+        for bn, split in ((16, 1), (32, 1), (32, 2), (64, 2)):
+            for warps in (1, 2, 4):
+                for stages in (4, 6, 8, 10, 12, 16):
+                    cfg = dict(bn=bn, splits=split, warps=warps, stages=stages)
+                    _sweep_one(res, cfg, lambda cfg=cfg: layout_gemm(xd, xs, wd, ws, **cfg), ref,
+                               quiet="out of resource")
+        _top(res, wbytes, copy_tbs, "production", n=10)
+        for bn, split in ((16, 1), (32, 1), (32, 2), (64, 2)):
+            b = [r for r in res if r[1]["bn"] == bn and r[1]["splits"] == split]
+            if b:
+                print(f"      best BN={bn} splits={split}: {b[0][0]:6.2f} us {wbytes / b[0][0] / 1e6:5.2f} TB/s "
+                      f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]}", flush=True)
+
+
+def probe_gemm_noswap(copy_tbs: float, ms=(4, 16)) -> None:
+    """4096x14336 at M = 4 / 16 with the activation on the MMA's M side (rows padded to 64) and the weight tile on
+    its N side (`_layout_gemm_probe_kernel` SWAP=False): BN 16 / 32 weight rows per program give 256 / 128 programs
+    with no K split and so no reduce; vs the swapped split-K loop alone (partials, untimed reduce)."""
+    n, k = 4096, 14336
+    print(f"\n## X @ W^T with narrow weight tiles on the wgmma N side, {n}x{k} (flush {FLUSH})")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        res = []
+        for bn, split in ((16, 1), (32, 1), (16, 2), (32, 2), (64, 2), (64, 4)):
+            for warps in (4, 8):
+                for stages in (3, 4, 6, 8, 10, 12):
+                    cfg = dict(bn=bn, splits=split, warps=warps, stages=stages, swap=False)
+                    _sweep_one(res, cfg, lambda cfg=cfg: layout_gemm(xd, xs, wd, ws, **cfg), ref,
+                               quiet="out of resource")
+        for stages in (4, 5):
+            cfg = dict(bn=64, splits=4, warps=4, stages=stages, swap=True)
+            _sweep_one(res, cfg, lambda cfg=cfg: layout_gemm(xd, xs, wd, ws, **cfg), ref)
+        _top(res, wbytes, copy_tbs, "production", n=10)
+        for bn, split in ((16, 1), (32, 1), (16, 2), (32, 2), (64, 2), (64, 4)):
+            b = [r for r in res if r[1]["bn"] == bn and r[1]["splits"] == split and not r[1]["swap"]]
+            if b:
+                print(f"      best BN={bn} splits={split}: {b[0][0]:6.2f} us {wbytes / b[0][0] / 1e6:5.2f} TB/s "
+                      f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]} rel err {b[0][2]:.1e}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,attn,prefill")
@@ -1265,6 +1861,7 @@ def main() -> int:
               "attn_fine": lambda c: probe_attention(c, "fine"), "attn_short": probe_attn_short,
               "decode_small_m": probe_decode_small_m, "rms_tma": probe_rms_tma, "gemv_graph": probe_gemv_graph, "gemv_knobs": probe_gemv_knobs,
               "gemm_gps": probe_gemm_gps, "rms_warp": probe_rms_warp, "rms_parts": probe_rms_parts, "gemm_narrow": probe_gemm_narrow, "rms_occupancy": probe_rms_occupancy,
+              "gemm_floor": probe_gemm_floor, "gemm_timeline": probe_gemm_timeline, "gemm_carveout": probe_gemm_carveout, "gemm_tail": probe_gemm_tail, "gemm_nosplit": probe_gemm_nosplit, "gemm_noswap": probe_gemm_noswap,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -198,6 +198,28 @@ def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
     assert len(calls) == 8
 
 
+def test_gemv_configs_entry_is_dispatched(G, monkeypatch):
+    """M = 1 runs a GEMV_CONFIGS entry for (device, N, K) exactly as `_launch_gemv` with those knobs; other knobs
+    stay within 1e-4 of the reference (exact products, fp32 sums in another order)."""
+    xd, xs, wd, ws = _block_operands(1, 384, 1536, seed=7)
+    dev = xd.device
+    cfg = dict(block_n=4, groups=4, num_stages=2, num_warps=2)
+    seen = []
+    real = G._launch_gemv
+    monkeypatch.setattr(G, "_launch_gemv", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    monkeypatch.setitem(G.GEMV_CONFIGS, (G._device_name(dev.type, dev.index), 384, 1536), cfg)
+    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert seen[-1] == cfg
+    explicit = torch.empty_like(tuned)
+    real(xd, xs, xs.stride(), wd, ws, ws.stride(), None, explicit, False, **cfg)
+    assert torch.equal(tuned, explicit)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    for other in (dict(), dict(block_n=16, groups=2, num_stages=3, num_warps=4)):
+        out = torch.empty_like(tuned)
+        real(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, **other)
+        assert _rel(out, ref) <= 1e-4
+
+
 def test_triton_large_m_fallback(G):
     """The Triton kernel with large tiles (used when cuBLAS refuses) is accurate too."""
     xd, xs, wd, ws = _block_operands(200, 264, 1152, seed=13)
@@ -218,15 +240,27 @@ def test_cublas_blockwise_path_runs_on_sm90(G):
         assert _rel(out, ref) <= TOL[torch.bfloat16], (m, n, k)
 
 
+def _poison_tail(ws: torch.Tensor) -> torch.Tensor:
+    """ws copied to the head of a buffer whose next 256 floats are 2**10; contiguous, so every GEMM path uses
+    this storage as it is and an out-of-bounds read of the scale grid finds the poison."""
+    buf = torch.full((ws.numel() + 256,), 2.0 ** 10, device=ws.device)
+    buf[: ws.numel()] = ws.reshape(-1)
+    return buf[: ws.numel()].view(ws.shape)
+
+
 @pytest.mark.parametrize("k", [640, 896, 1152])
 def test_k_over_128_mod_4_trap(G, k):
     """The old `_scaled_mm` with unpadded block scales is silently wrong at K/128 % 4 != 0; ours is not.
 
-    How wrong depends on which scales the old call reads in place of the right ones (part of them lie past the
-    tensor, so the allocator's state matters): H200 runs saw relative errors from 0.098 to 0.53. The bar is
-    relative to the padded call's own error: at least 20x it, and above the bf16 tolerance."""
+    How wrong depends on which scales the old call reads in place of the right ones. Part of them lie past the
+    weight-scale tensor, so they used to be whatever the allocator left there: H200 runs saw relative errors
+    from 0.098 to 0.53, and in session 11 a change of allocation order elsewhere made K = 640 read near-right
+    values. The weight scales now sit at the head of a buffer whose tail holds 2**10 (far from any real scale),
+    so what the trap reads is fixed. The bar is relative to the padded call's own error: at least 20x it, and
+    above the bf16 tolerance."""
     m, n = 64, 256
     xd, xs, wd, ws = _block_operands(m, n, k, seed=k)
+    ws = _poison_tail(ws)
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
     good_err = 0.0
     for small_m in (64, 0):  # Triton decode kernel, then cuBLAS with padded scales
@@ -244,10 +278,11 @@ def test_k_over_128_mod_4_trap(G, k):
 
 
 def test_legacy_call_is_right_when_k_over_128_is_a_multiple_of_4(G):
-    """Control for the trap: at K/128 % 4 == 0 the same legacy call is accurate (so the error above
-    is the scale-layout bug, not a broken call)."""
+    """Control for the trap: at K/128 % 4 == 0 the same legacy call is accurate, on the same poisoned scale
+    storage (so the error above is the scale-layout bug, not a broken call or the poison itself)."""
     m, n, k = 64, 256, 1024
     xd, xs, wd, ws = _block_operands(m, n, k, seed=1)
+    ws = _poison_tail(ws)
     try:
         out = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError, ValueError) as exc:

@@ -4,7 +4,8 @@
 * quant: every tiling / mode gives FP8 data + scales bit-exact with the formats library on the kernel's
   own pre-quant values; act_quant / SwiGLU tilings give identical bits to the default tiling;
 * GEMM: block_n / split_k / pipeline knobs stay within the fp32 tolerance of test_gemm_gpu.py; the fused
-  split-K reduction gives the same bits as the two-kernel path; a DECODE_CONFIGS entry is what the
+  split-K reduction gives the same bits as the two-kernel path (NaN / Inf partials included), and a CUDA
+  graph captured with it survives its counter buffer being outgrown; a DECODE_CONFIGS entry is what the
   dispatch runs;
 * paged decode attention: qk_fp16 changes only the conversion path (scores agree to ~1e-6 even for q rows
   scaled by 2**+-60), fold_v_scale and the tile knobs stay within the attention tolerance of the FP32
@@ -145,6 +146,56 @@ def test_fp8_gemm_knobs_and_fused_reduce(m):
     assert int(G._COUNTERS[xd.device].abs().sum()) == 0  # the last split of each tile reset its counter
     with pytest.raises(ValueError, match="block_n"):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
+
+
+@pytest.mark.parametrize("m", [2, 16])
+def test_fused_reduce_with_nan_and_inf_partials(m):
+    """NaN / Inf in one split's partial sums (a NaN activation, an Inf activation scale) reach the output exactly as
+    through the reduce kernel, and the counters are left at zero."""
+    from engine.kernels import gemm as G
+
+    n, k = 256, 1024
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=30 + m)
+    xd = xd.clone()
+    xd[0, 5] = float("nan")  # e4m3fn has a NaN and no Inf: the Inf comes from a scale
+    xs = xs.clone()
+    xs[m - 1, 6] = float("inf")
+    for split in (2, 8):
+        kw = dict(out_dtype=torch.float32, split_k=split, block_n=64, num_warps=4, num_stages=3)
+        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=False, **kw)
+        fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
+        assert bool(plain[0].isnan().all()) and not bool(plain[m - 1].isfinite().all())
+        torch.testing.assert_close(fused, plain, rtol=0, atol=0, equal_nan=True)
+    assert int(G._COUNTERS[xd.device].abs().sum()) == 0
+
+
+def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
+    """A CUDA graph captured with the fused split-K reduce keeps working after a call with more tiles has grown the
+    counter buffer: the old buffer is retired, not freed, and every call leaves its counters at zero."""
+    from engine.kernels import gemm as G
+
+    import weakref
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setitem(G._COUNTERS, dev, torch.zeros(8, dtype=torch.int32, device=dev))
+    monkeypatch.setattr(G, "_RETIRED", [])
+    small = weakref.ref(G._COUNTERS[dev])  # only the module may keep the captured buffer alive
+    xd, xs, wd, ws = _block_operands(4, 512, 2048, seed=40)  # 8 tiles of 64 rows
+    kw = dict(out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True)
+    want = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+    assert G._COUNTERS[dev] is small()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+    big = _block_operands(4, 2048, 2048, seed=41)  # 32 tiles: a new counter buffer
+    G.fp8_block_gemm_triton(*big, **kw)
+    assert G._COUNTERS[dev] is not small() and G._COUNTERS[dev].numel() >= 4096
+    assert small() is not None  # retired, not freed: the graph's counters are still this tensor's memory
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert int(small().abs().sum()) == 0 and int(G._COUNTERS[dev].abs().sum()) == 0
 
 
 def test_decode_configs_entry_is_dispatched(monkeypatch):

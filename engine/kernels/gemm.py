@@ -116,7 +116,10 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     memory but leaves these small loads synchronous: their latency would stall every step).
     FUSED_REDUCE (split-K): the last split to finish a tile (per-tile arrival counter cnt_ptr, reset
     to 0 by that split) sums all partials in split order itself -- the same bits as
-    `_splitk_reduce_kernel`, without its launch."""
+    `_splitk_reduce_kernel`, without its launch. Each split's partial store is released by its
+    arrival (acq_rel); the reset is a plain store, with no fence before it: the next kernel to use
+    the counter starts after this one has completed (session 11, benchmarks/results/
+    h200-2026-11-29-session11/: 0.5 us less per call than the acq_rel exchange it replaces)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -162,7 +165,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
             if ROUND_BF16:
                 tot = _round_bf16(tot)
             tl.store(out_ptr + idx, tot.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
+            tl.store(cnt_ptr + tile, 0)  # ready for the next call (kernels on a stream complete in order)
 
 
 @triton.jit(do_not_specialize=["N", "stride_xsg", "stride_wsn", "stride_wsg"])
@@ -349,6 +352,14 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce")
+# Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
+# num_warps); other shapes use its defaults. H200, one call after a clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9
+# with the defaults in two sweeps (benchmarks/results/h200-2026-11-29-session11/probe_gemm_tail*.txt), 28672x4096
+# 33.2 vs 34.6 (h200-2026-11-29-session9/probe_decode_clean.txt); same output bits as the defaults in all of them.
+GEMV_CONFIGS: dict[tuple[str, int, int], dict[str, Any]] = {
+    ("NVIDIA H200", 4096, 14336): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
+    ("NVIDIA H200", 28672, 4096): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
+}
 
 
 # ============================================================================ launch helpers
@@ -437,16 +448,22 @@ def _device_name(device_type: str, index: Optional[int]) -> str:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Outgrown counter buffers stay allocated: a CUDA graph captured with one keeps using its address.
+_RETIRED: list[torch.Tensor] = []
 
 
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of >= n per-tile arrival counters for FUSED_REDUCE (kernels leave it zeroed).
 
     Shared by every fused call on the device: fused split-K calls must run in stream order (one stream,
-    or CUDA graphs replayed on one stream); allocate it (one plain call) before capturing a graph."""
+    or CUDA graphs replayed on one stream); allocate it (one plain call) before capturing a graph. When a
+    call needs more counters, a buffer twice as large (at least) replaces it, and the old one is retired,
+    not freed: a graph captured with it still owns valid, zeroed counters."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 4096, 2 * buf.numel() if buf is not None else 0), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
 
@@ -498,7 +515,8 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                  fused_reduce=fused_reduce)
     if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
-        _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16)
+        _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
+                     **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
     bm, bn, warps, stages = _tiles(m)
