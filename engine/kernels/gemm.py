@@ -353,9 +353,10 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce")
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
-# num_warps); other shapes use its defaults. H200, one call after a clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9
-# with the defaults in two sweeps (benchmarks/results/h200-2026-11-29-session11/probe_gemm_tail*.txt), 28672x4096
-# 33.2 vs 34.6 (h200-2026-11-29-session9/probe_decode_clean.txt); same output bits as the defaults in all of them.
+# num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
+# clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
+# h200-2026-11-29-session11/probe_gemm_tail*.txt; bench_gemm 19.4 vs session 10's 20.0). 28672x4096: 33.2 vs 34.6 in
+# session 9's sweep (h200-2026-11-29-session9/probe_decode_clean.txt), but bench_gemm 33.0 vs session 10's 32.9: even.
 GEMV_CONFIGS: dict[tuple[str, int, int], dict[str, Any]] = {
     ("NVIDIA H200", 4096, 14336): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
     ("NVIDIA H200", 28672, 4096): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
