@@ -935,39 +935,22 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
                 tl.atomic_xchg(cnt_ptr + tile, 0)
             else:
                 tl.store(cnt_ptr + tile, 0)
-    elif REDUCE == 2:
+    else:  # modes 2 / 3
         bits = acc.to(tl.int32, bitcast=True)
-        _st_relaxed_b32(part_ptr + pid_s * mn + idx, tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits), mask)
+        _put_b32(part_ptr + pid_s * mn + idx, tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits), mask,
+                 REDUCE == 3)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="relaxed", scope="gpu")
         if arrived == SPLITS - 1:
             passes = 1
-            tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS)
+            tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, REDUCE == 3)
             while pending:
                 passes += 1
-                tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS)
+                tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, REDUCE == 3)
             for s in tl.static_range(SPLITS):
-                _st_relaxed_b32(part_ptr + s * mn + idx, tl.full((BN, BM), PENDING_BITS, tl.int32), mask)
+                _put_b32(part_ptr + s * mn + idx, tl.full((BN, BM), PENDING_BITS, tl.int32), mask, REDUCE == 3)
             tl.store(cnt_ptr + tile, 0)
             tl.store(dbg_ptr + tile, passes)
             tl.store(out_ptr + idx, tot, mask=mask)
-    else:
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits)
-        tl.store(part_ptr + pid_s * mn + idx, bits.to(tl.float32, bitcast=True), mask=mask)
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="relaxed", scope="gpu")
-        if arrived == SPLITS - 1:
-            passes = 1
-            tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, True)
-            while pending:
-                passes += 1
-                tot, pending = _sum_partials(part_ptr, idx, mask, mn, BN, BM, SPLITS, True)
-            for s in tl.static_range(SPLITS):
-                tl.store(part_ptr + s * mn + idx, tl.full((BN, BM), PENDING_BITS, tl.int32).to(tl.float32, bitcast=True),
-                         mask=mask)
-            tl.store(cnt_ptr + tile, 0)
-            tl.store(dbg_ptr + tile, passes)
-            tl.store(out_ptr + idx, tot, mask=mask)
-
 
 # Split-K handshake modes 2 / 3 of `_gps_probe_kernel` (session 11, not adopted): partials live in a workspace that
 # holds this fp32 NaN pattern where no partial is pending (GPU arithmetic returns the canonical NaN 0x7FFFFFFF, and a
@@ -1004,8 +987,18 @@ def _ld_relaxed_b32(ptr, mask):
 
 
 @triton.jit
+def _put_b32(ptr, bits, mask, PLAIN: tl.constexpr):
+    """Store int32 bits as fp32 wherever mask: `_st_relaxed_b32` from the register layout, or (PLAIN) tl.store in
+    Triton's own store layout."""
+    if PLAIN:
+        tl.store(ptr, bits.to(tl.float32, bitcast=True), mask=mask)
+    else:
+        _st_relaxed_b32(ptr, bits, mask)
+
+
+@triton.jit
 def _sum_partials(part_ptr, idx, mask, MN, BN: tl.constexpr, BM: tl.constexpr, SPLITS: tl.constexpr,
-                  VOLATILE: tl.constexpr = False):
+                  VOLATILE: tl.constexpr):
     """(the SPLITS partials of a tile summed in split order, whether any element still read PENDING_BITS), through
     `_ld_relaxed_b32` in the accumulator's layout or volatile tl.load in Triton's own load layout."""
     tot = tl.zeros((BN, BM), dtype=tl.float32)
