@@ -33,6 +33,11 @@
   %globaltimer; time outside the programs vs shared memory and carveout; the split-K reduce's cost and its
   handshake variants (`_gps_probe_kernel` REDUCE modes); no split-K (narrow tiles, the activation on the wgmma M
   side).
+* gemm_cluster / gemm_cluster_launch / gemm_reduce_timeline / attn_short64 (session 12): the split-K decode GEMM
+  with each tile's splits in one thread-block cluster, reduced through distributed shared memory, vs the fused
+  reduce through global memory; the cost of a cluster launch itself (empty kernel, the split-K loop alone in
+  clusters) and both reduces in CUDA graphs; per-program timeline of the fused reduce (`_gps_probe_kernel`
+  TIMES); paged FP8 decode attention at batch 64 x 140 tokens over warps / stages / splits / block_n.
 """
 
 from __future__ import annotations
@@ -446,42 +451,46 @@ def _probe_small_attention() -> None:
             print(f"  {cfg}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
 
 
-def probe_attn_short(copy_tbs: float) -> None:
+def probe_attn_short(copy_tbs: float, batches=(1, 8), layouts=("token", "dim"),
+                     tiles=((4, 5), (2, 5), (4, 3), (8, 3), (1, 3)), splits=(1, 2, 3), block_ns=(64,),
+                     bf16: bool = False) -> None:
     """Paged FP8 decode attention at the e2e benchmark's short contexts (140 tokens of 192-token capacity, 32 / 8
-    heads, pages of 64), called as the runtime calls it (bf16 query, bf16-rounded E4M3 1x128 output), batch 1 and
-    8, both V page layouts, over warps / stages / splits: us per launch in a CUDA graph, bits vs the first row."""
+    heads, pages of 64), called as the runtime calls it (bf16 query, bf16-rounded E4M3 1x128 output), over batches,
+    V page layouts, (warps, stages), splits and block_n: us per launch in a CUDA graph, the default plan's row
+    first, bits vs that row; bf16: a bf16 cache's default row too."""
     from benchmarks.bench_attention import fill_cache
     from engine.kernels.paged_kv import PagedKVCache, paged_decode_attention
 
     ctx, h, hkv, dh, page = 140, 32, 8, 128, 64
-    print(f"\n## paged FP8 decode attention at {ctx} tokens (runtime call; us per launch in a CUDA graph)")
-    for b in (1, 8):
+    print(f"\n## paged decode attention at {ctx} tokens (runtime call; us per launch in a CUDA graph)")
+    for b in batches:
         caches = {}
-        for layout in ("token", "dim"):
-            caches[layout] = PagedKVCache(1, b * 3, page, hkv, dh, dtype=torch.float8_e4m3fn, max_seqs=b,
-                                          device=DEV, v_layout=layout)
+        for layout in layouts + (("bf16",) if bf16 else ()):
+            dtype = torch.bfloat16 if layout == "bf16" else torch.float8_e4m3fn
+            caches[layout] = PagedKVCache(1, b * 3, page, hkv, dh, dtype=dtype, max_seqs=b, device=DEV,
+                                          v_layout="dim" if layout == "bf16" else layout)
             fill_cache(caches[layout], b, ctx)
         q = torch.randn(b, h, 1, dh, device=DEV, dtype=torch.bfloat16)
         rows = dict(seq_ids=torch.arange(b, dtype=torch.int32, device=DEV),
                     seq_lens=torch.full((b,), ctx, dtype=torch.int32, device=DEV),
                     q_pos=torch.full((b, 1), ctx - 1, dtype=torch.int32, device=DEV))
         ref = None
-        for layout in ("token", "dim"):
-            for warps, stages in ((4, 5), (2, 5), (4, 3), (8, 3), (1, 3)):
-                for splits in (1, 2, 3):
-                    kw = dict(num_warps=warps, num_stages=stages, num_splits=splits)
-
-                    def run(kw=kw, layout=layout):
-                        return paged_decode_attention(q, caches[layout], 0, out_quant="e4m3:1x128", out_round="bf16",
-                                                      return_hp=True, block_n=64, **rows, **kw)
-                    try:
-                        hp = run()[2]
-                        ref = hp if ref is None else ref
-                        err = ((hp - ref).abs().max() / ref.abs().max()).item()
-                        print(f"  b={b} {layout:5s} w{warps} s{stages} splits={splits}: {graph_us(run):6.2f} us  "
-                              f"rel diff {err:.1e}", flush=True)
-                    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-                        print(f"  b={b} {layout} {kw}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+        cases = [(layout, None, 64) for layout in caches]
+        cases += [(layout, dict(num_warps=w, num_stages=st, num_splits=sp), bn) for layout in layouts
+                  for w, st in tiles for sp in splits for bn in block_ns]
+        for layout, kw, bn in cases:
+            def run(kw=kw, layout=layout, bn=bn):
+                return paged_decode_attention(q, caches[layout], 0, out_quant="e4m3:1x128", out_round="bf16",
+                                              return_hp=True, block_n=bn, **rows, **(kw or {}))
+            try:
+                hp = run()[2]
+                ref = hp if ref is None else ref
+                err = ((hp - ref).abs().max() / ref.abs().max()).item()
+                name = "default plan" if kw is None else f"w{kw['num_warps']} s{kw['num_stages']} splits={kw['num_splits']}"
+                print(f"  b={b} {layout:5s} block_n={bn:3d} {name:24s}: {graph_us(run):6.2f} us  rel diff {err:.1e}",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                print(f"  b={b} {layout} {kw} block_n={bn}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
 
 
 @triton.jit
@@ -867,7 +876,7 @@ def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
 def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, groups_per_split,
                       n_splits, stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg, dbg_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, GPS: tl.constexpr, USE_TMA: tl.constexpr,
-                      REDUCE: tl.constexpr = 0, SPLITS: tl.constexpr = 1):
+                      REDUCE: tl.constexpr = 0, SPLITS: tl.constexpr = 1, t_ptr=None, TIMES: tl.constexpr = False):
     """The production split-K decode kernel (`_fp8_block_gemm_kernel`, fused reduce) walking GPS adjacent 128-groups
     per loop step (GPS*128 contiguous bytes of each weight row loaded per stage; W optionally through a TMA
     descriptor). Each group's dot is scaled and accumulated in the production order, so the bits equal
@@ -879,10 +888,16 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
     2 relaxed stores from the accumulator's registers into a PENDING_BITS workspace, a relaxed arrival (no fence),
     the last split polls the partials until none reads PENDING_BITS and restores the pattern; 3 as 2 with the
     partials stored / polled by tl.store / volatile tl.load (Triton's coalescing layout). Modes 2 / 3 write the
-    number of polling passes of each tile to dbg_ptr."""
+    number of polling passes of each tile to dbg_ptr. Mode 4 (session 12): partials only, no reduce.
+
+    TIMES (session 12, modes 1 and 4): program p = (split, tile) writes t_ptr[p] = (start, loop end, end,
+    SM, 1 if it summed its tile) in %globaltimer ns; the loop end is read after its partial store and a barrier."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if TIMES:
+        prog = (pid_s * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
+        t_start = _now(pid_n)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, 128)
@@ -922,19 +937,31 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
     mn = M.to(tl.int64) * N
     if n_splits == 1:
         tl.store(out_ptr + idx, acc, mask=mask)
-    elif REDUCE <= 1:
+    elif REDUCE <= 1 or REDUCE == 4:
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + idx, acc, mask=mask)
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            tot = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(n_splits):
-                tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + idx, tot, mask=mask)
-            if REDUCE == 0:
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-            else:
-                tl.store(cnt_ptr + tile, 0)
+        if TIMES:
+            t_loop = _now(pid_n)
+        last = pid_n * 0
+        if REDUCE != 4:
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tot = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(n_splits):
+                    tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(out_ptr + idx, tot, mask=mask)
+                if REDUCE == 0:
+                    tl.atomic_xchg(cnt_ptr + tile, 0)
+                else:
+                    tl.store(cnt_ptr + tile, 0)
+                last = pid_n * 0 + 1
+        if TIMES:
+            tl.store(t_ptr + prog * 5, t_start)
+            tl.store(t_ptr + prog * 5 + 1, t_loop)
+            tl.store(t_ptr + prog * 5 + 2, _now(last))
+            tl.store(t_ptr + prog * 5 + 3, _smid(last).to(tl.int64))
+            tl.store(t_ptr + prog * 5 + 4, last.to(tl.int64))
     else:  # modes 2 / 3
         bits = acc.to(tl.int32, bitcast=True)
         _put_b32(part_ptr + pid_s * mn + idx, tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits), mask,
@@ -1015,9 +1042,9 @@ def _sum_partials(part_ptr, idx, mask, MN, BN: tl.constexpr, BM: tl.constexpr, S
     return tot, tl.sum(tl.sum(pending, axis=1), axis=0) > 0
 
 
-def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=False, reduce=0, dbg=None):
+def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=False, reduce=0, dbg=None, times=None):
     """`_gps_probe_kernel` (fp32 out, fused split-K reduce `reduce`; dbg: an int32 tensor of >= tiles elements for
-    the polling passes of modes 2 / 3)."""
+    the polling passes of modes 2 / 3; times: an int64 (programs, 5) tensor for TIMES, modes 1 / 4)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from engine.kernels import gemm as G
@@ -1039,7 +1066,8 @@ def gps_gemm(xd, xs, wd, ws, bn=64, splits=4, warps=4, stages=4, gps=1, tma=Fals
     desc = TensorDescriptor.from_tensor(wd, [bn, 128]) if tma else None
     _gps_probe_kernel[grid](desc, xd, xs, wd, ws, out, part, cnt, m, n, k, per, splits, xd.stride(0), wd.stride(0),
                             xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dbg if dbg is not None else cnt,
-                            BM=bm, BN=bn, GPS=gps, USE_TMA=tma, REDUCE=reduce, SPLITS=splits if reduce >= 2 else 1,
+                            BM=bm, BN=bn, GPS=gps, USE_TMA=tma, REDUCE=reduce,
+                            SPLITS=splits if reduce in (2, 3) else 1, t_ptr=times, TIMES=times is not None,
                             num_warps=warps, num_stages=stages)
     return out
 
@@ -1471,9 +1499,21 @@ def tile_weight(wd: torch.Tensor, bn: int) -> torch.Tensor:
     return wd.view(n // bn, bn, k // 128, 128).permute(0, 2, 1, 3).contiguous()
 
 
-def layout_gemm(xd, xs, wd, ws, wt=None, bn=64, splits=4, warps=4, stages=4, tma=False, times=None, swap=True):
+def _cluster_call(kernel, grid, size: int, args: dict, **options) -> None:
+    """Launch a probe kernel (every argument by name in args) over grid with its axis-0 programs in clusters of
+    `size` (engine.kernels.cluster, no reduce region), then make the compiled kernel's plain launches plain again."""
+    from engine.kernels import cluster as cl
+
+    comp = cl.launch(kernel, (grid[0] // size,) + tuple(grid[1:]), size, 0, args, **options)
+    comp.packed_metadata = (comp.metadata.num_warps, 1, comp.metadata.shared)
+    comp._engine_cluster = None
+
+
+def layout_gemm(xd, xs, wd, ws, wt=None, bn=64, splits=4, warps=4, stages=4, tma=False, times=None, swap=True,
+                cluster=1):
     """`_layout_gemm_probe_kernel` on the row-major weight wd, or on wt = tile_weight(wd, bn) when given; returns
-    the split partials (splits, M, N). times: an int64 (programs, 3) tensor to record into."""
+    the split partials (splits, M, N). times: an int64 (programs, 3) tensor to record into. cluster > 1: launched in
+    clusters of that many adjacent weight tiles (the kernel has no cluster instruction: the launch's own cost)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = xd.shape
@@ -1487,11 +1527,16 @@ def layout_gemm(xd, xs, wd, ws, wt=None, bn=64, splits=4, warps=4, stages=4, tma
     else:
         strides, rows = (kb * bn * 128, 128, bn * 128), (kb * bn, bn, 0)
         desc = TensorDescriptor.from_tensor(wt.view(-1, 128), [bn, 128]) if tma else None
-    _LAST["layout_gemm"] = _layout_gemm_probe_kernel[(n // bn, splits)](
-        desc, xd, xs, wd if wt is None else wt, ws, part, times if times is not None else part, m, n, k, per,
-        xd.stride(0), xs.stride(0), ws.stride(0), *strides, *rows,
-        BM=max(16 if swap else 64, triton.next_power_of_2(m)), BN=bn, USE_TMA=tma, TIMES=times is not None, SWAP=swap,
-        num_warps=warps, num_stages=stages)
+    args = (desc, xd, xs, wd if wt is None else wt, ws, part, times if times is not None else part, m, n, k, per,
+            xd.stride(0), xs.stride(0), ws.stride(0), *strides, *rows)
+    meta = dict(BM=max(16 if swap else 64, triton.next_power_of_2(m)), BN=bn, USE_TMA=tma, TIMES=times is not None,
+                SWAP=swap)
+    if cluster > 1:
+        _cluster_call(_layout_gemm_probe_kernel, (n // bn, splits), cluster,
+                      dict(zip(_layout_gemm_probe_kernel.arg_names, args), **meta), num_warps=warps, num_stages=stages)
+        return part
+    _LAST["layout_gemm"] = _layout_gemm_probe_kernel[(n // bn, splits)](*args, **meta, num_warps=warps,
+                                                                        num_stages=stages)
     return part
 
 
@@ -1584,12 +1629,12 @@ def probe_gemm_floor(copy_tbs: float, ms=(4, 16)) -> None:
                           f"{b[0][1]}", flush=True)
 
 
-def _timeline(run, n_progs: int, reps: int = 15) -> dict:
-    """Per-program (start, end, SM) of run(times) over reps timed like `time_us` (flush, GPU sleep, events): the
-    rep with the median event time, summarized."""
+def _timed_reps(run, n_progs: int, cols: int, reps: int = 15) -> tuple[float, torch.Tensor]:
+    """run(times) over reps timed like `time_us` (flush, GPU sleep, events), each into its own int64 (n_progs, cols)
+    times buffer: (event us, times as float64 on the CPU) of the rep with the median event time."""
     from benchmarks.bench_gemm import _evict_l2, _gpu_sleep
 
-    bufs = [torch.zeros((n_progs, 3), dtype=torch.int64, device=DEV) for _ in range(reps)]
+    bufs = [torch.zeros((n_progs, cols), dtype=torch.int64, device=DEV) for _ in range(reps)]
     run(bufs[0])
     _evict_l2(FLUSH)
     torch.cuda.synchronize()
@@ -1603,11 +1648,16 @@ def _timeline(run, n_progs: int, reps: int = 15) -> dict:
     torch.cuda.synchronize()
     us = [a.elapsed_time(b) * 1e3 for a, b in ev]
     i = sorted(range(reps), key=lambda j: us[j])[reps // 2]
-    t = bufs[i].double().cpu()
+    return us[i], bufs[i].double().cpu()
+
+
+def _timeline(run, n_progs: int, reps: int = 15) -> dict:
+    """Per-program (start, end, SM) of run(times) (`_timed_reps`), summarized."""
+    event, t = _timed_reps(run, n_progs, 3, reps)
     st, en, sm = t[:, 0] - t[:, 0].min(), t[:, 1] - t[:, 0].min(), t[:, 2].long()
     dur = (en - st) / 1e3
     per_sm = torch.bincount(sm)
-    return dict(event_us=us[i], span_us=float(en.max()) / 1e3, start_skew_us=float(st.max()) / 1e3,
+    return dict(event_us=event, span_us=float(en.max()) / 1e3, start_skew_us=float(st.max()) / 1e3,
                 first_end_us=float(en.min()) / 1e3, dur_p10=float(dur.quantile(0.1)), dur_p50=float(dur.median()),
                 dur_max=float(dur.max()), progs_per_sm=f"{int(per_sm[per_sm > 0].min())}-{int(per_sm.max())}",
                 sms_used=int((per_sm > 0).sum()))
@@ -1835,6 +1885,163 @@ def probe_gemm_noswap(copy_tbs: float, ms=(4, 16)) -> None:
                       f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]} rel err {b[0][2]:.1e}", flush=True)
 
 
+def probe_gemm_cluster(copy_tbs: float, ms=(4, 16)) -> None:
+    """The split-K decode GEMM with the splits of each tile in one thread-block cluster, reduced through distributed
+    shared memory (`cluster=True`), vs the fused reduce through global memory (production): same bits for the same
+    splits and tile (checked), one call each (us). The issue's split-K shapes and the Llama-3-8B attention shapes,
+    M = 4 / 16, over splits, tile rows and pipeline depth; the `_engine_max_clusters` the device holds at once."""
+    from engine.kernels import gemm as G
+
+    shapes = ((4096, 14336), (7168, 16384), (4096, 4096), (6144, 4096))
+    f32 = torch.float32
+    print(f"\n## cluster (DSMEM) split-K reduce vs the fused reduce (flush {FLUSH}; one call)")
+    for n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases(shapes, ms):
+        _case_line(n, k, m, t16, t0, wbytes)
+        res = []
+        for split in (2, 4, 8):
+            for bn in (32, 64, 128):
+                base = dict(split_k=split, block_n=bn, num_warps=4)
+                fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, fused_reduce=True, num_stages=4,
+                                                **base)
+                for stages in (3, 4, 5, 6):
+                    cfg = dict(base, num_stages=stages)
+                    try:
+                        out = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, cluster=True, **cfg)
+                    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                        print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+                        continue
+                    same = torch.equal(out, fused)
+                    t = time_us(lambda cfg=cfg: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, cluster=True,
+                                                                        **cfg), reps=30)
+                    res.append((t, dict(cfg, same_bits_as_fused=same), 0.0))
+                    if not same:
+                        print(f"    {cfg} BITS DIFFER from the fused reduce", flush=True)
+                tf = time_us(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, fused_reduce=True,
+                                                             num_stages=5, **base), reps=30)
+                print(f"    fused reduce split {split} BN {bn} 5 stages: {tf:6.2f} us {wbytes / tf / 1e6:5.2f} TB/s",
+                      flush=True)
+        _top(res, wbytes, copy_tbs, "itself", n=8)
+        if not res:
+            continue
+        best = res[0]
+        print(f"      best cluster: {best[0]:6.2f} us {wbytes / best[0] / 1e6:5.2f} TB/s {t16 / best[0]:4.2f}x bf16 "
+              f"(production {t0:6.2f} us)", flush=True)
+    try:  # the compiled cluster kernels carry the occupancy engine.kernels.cluster measured for them
+        compiled = list(G._fp8_block_gemm_kernel.device_caches[torch.cuda.current_device()][0].values())
+    except (AttributeError, IndexError, KeyError, TypeError) as exc:
+        print(f"    (no kernel cache to list: {exc})")
+        compiled = []
+    for kern in compiled:
+        if getattr(kern, "_engine_cluster", None):
+            print(f"    compiled CLUSTER={kern._engine_cluster[0]} region {kern._engine_cluster[1]} B, Triton's shared "
+                  f"{kern.metadata.shared} B, {kern.metadata.num_stages} stages: {kern._engine_max_clusters} clusters "
+                  "at once", flush=True)
+
+
+def production_partials(xd, xs, wd, ws, splits=4, bn=64, warps=4, stages=5):
+    """Production's split-K kernel (`_fp8_block_gemm_kernel`) storing its partials (splits, M, N) and nothing else:
+    no counter, no reduce."""
+    from engine.kernels import gemm as G
+    from engine.kernels.pdl import launch_opts
+
+    m, k = xd.shape
+    n = wd.shape[0]
+    part = torch.empty((splits, m, n), device=xd.device, dtype=torch.float32)
+    G._fp8_block_gemm_kernel[(n // bn, 1, splits)](
+        xd, xs, wd, ws, part, part, part, part, m, n, k, -(-k // 128 // splits), splits, xd.stride(0), wd.stride(0),
+        xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), BM=max(16, triton.next_power_of_2(m)), BN=bn,
+        USE_PART=True, HAS_BIAS=False, FUSED_REDUCE=False, num_warps=warps, num_stages=stages, **launch_opts(xd))
+    return part
+
+
+def probe_gemm_reduce_timeline(copy_tbs: float, ms=(4, 16)) -> None:
+    """Where the ~1.8 us of the split-K reduce go (4096x14336, 4 splits, BN 64, 5 stages): `_gps_probe_kernel` with
+    its partials only (mode 4) and with production's fused reduce (mode 1), per-program %globaltimer at start, after
+    the loop (partial stored) and at the end. Loop span vs end span; per tile, the summing split's end minus the
+    latest loop end of the tile's splits (the reduce's own latency)."""
+    n, k = 4096, 14336
+    print(f"\n## split-K reduce timeline, {n}x{k} (flush {FLUSH}; times from the first program start, us)")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        for mode in (4, 1):
+            ts = sorted(time_us(lambda: gps_gemm(xd, xs, wd, ws, stages=5, reduce=mode), reps=30) for _ in range(3))
+            event, t = _timed_reps(lambda b: gps_gemm(xd, xs, wd, ws, stages=5, reduce=mode, times=b), 256, 5)
+            t0_ = t[:, 0].min()
+            st, lp, en = (t[:, 0] - t0_) / 1e3, (t[:, 1] - t0_) / 1e3, (t[:, 2] - t0_) / 1e3
+            line = (f"    mode {mode} ({'partials only' if mode == 4 else 'fused reduce'}): untimed-probe {ts[1]:6.2f} us; "
+                    f"with times: event {event:6.2f}, last start {float(st.max()):5.2f}, loop ends p50 "
+                    f"{float(lp.median()):5.2f} max {float(lp.max()):5.2f}, program ends max {float(en.max()):5.2f}, "
+                    f"outside {event - float(en.max()):5.2f}")
+            if mode == 1:
+                tiles = t.shape[0] // 4
+                lat = []
+                for tile in range(tiles):
+                    rows = [s * tiles + tile for s in range(4)]
+                    summer = [r for r in rows if t[r, 4] == 1]
+                    if len(summer) == 1:
+                        lat.append(float(en[summer[0]] - lp[rows].max()))
+                lat_t = torch.tensor(lat)
+                last_tile = int(en.argmax()) % tiles
+                rows = [s * tiles + last_tile for s in range(4)]
+                line += (f"; reduce latency per tile (summer's end - latest loop end) p50 {float(lat_t.median()):.2f} "
+                         f"max {float(lat_t.max()):.2f} over {len(lat)} tiles; last tile's loop ends "
+                         f"{[round(float(lp[r]), 2) for r in rows]}")
+            print(line, flush=True)
+
+
+def probe_gemm_cluster_launch(copy_tbs: float, ms=(4, 16)) -> None:
+    """Why the cluster reduce gains nothing on 4096x14336: the cost of launching in clusters itself. The empty kernel
+    (256 programs) and the split-K loop alone (partials, no reduce: `_layout_gemm_probe_kernel`, 4 splits, BN 64, 5
+    stages) launched plainly and in clusters of 2 / 4 / 8 adjacent programs with no cluster instruction inside (one
+    call, us; per-program timeline: span, start skew, programs per SM); then production's fused vs cluster reduce one
+    call at a time and back to back in a CUDA graph (3 weight copies cycled)."""
+    from engine.kernels import gemm as G
+    from engine.kernels import pdl
+
+    n, k = 4096, 14336
+    f32 = torch.float32
+    print(f"\n## the cost of a cluster launch, {n}x{k} (flush {FLUSH})")
+    buf = torch.zeros(256, dtype=torch.int32, device=DEV)
+    t = time_us(lambda: _noop_kernel[(256,)](buf), reps=30)
+    print(f"  empty kernel, 256 programs: plain {t:5.2f} us", flush=True)
+    for size in (2, 4, 8):
+        t = time_us(lambda: _cluster_call(_noop_kernel, (256,), size, dict(out_ptr=buf), num_warps=4), reps=30)
+        print(f"  empty kernel, 256 programs in clusters of {size}: {t:5.2f} us", flush=True)
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        want = layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5)
+        for size in (1, 2, 4, 8):
+            same = torch.equal(layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5, cluster=size), want)
+            ts = sorted(time_us(lambda: layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5, cluster=size), reps=30)
+                        for _ in range(3))
+            r = _timeline(lambda b: layout_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5, times=b, cluster=size),
+                          256)
+            print(f"    split-K loop alone, clusters of {size}: {ts[1]:6.2f} us (of 3: {ts[0]:.2f}-{ts[2]:.2f}) "
+                  f"{wbytes / ts[1] / 1e6:5.2f} TB/s; timeline event {r['event_us']:.2f} span {r['span_us']:.2f} "
+                  f"start skew {r['start_skew_us']:.2f} duration p50 {r['dur_p50']:.2f} max {r['dur_max']:.2f} "
+                  f"programs per SM {r['progs_per_sm']} on {r['sms_used']} SMs; same partials {same}", flush=True)
+        part = production_partials(xd, xs, wd, ws)
+        ts = sorted(time_us(lambda: production_partials(xd, xs, wd, ws), reps=30) for _ in range(3))
+        err = ((part.sum(0) - ref).abs().max() / ref.abs().max()).item()
+        print(f"    production kernel, partials only (no reduce): {ts[1]:6.2f} us (of 3: {ts[0]:.2f}-{ts[2]:.2f}) "
+              f"{wbytes / ts[1] / 1e6:5.2f} TB/s; rel err of their sum {err:.1e}", flush=True)
+        knobs = dict(split_k=4, block_n=64, num_warps=4, num_stages=5)
+        copies = [wd] + [wd.clone() for _ in range(2)]
+        for name, kw in (("fused reduce", dict(fused_reduce=True)), ("cluster reduce", dict(cluster=True))):
+            ts = sorted(time_us(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, **kw, **knobs),
+                                reps=30) for _ in range(3))
+            tg = []
+            for on in (True, False):
+                old = pdl.set_enabled(on)
+                tg.append(graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, w, ws, out_dtype=f32, **kw, **knobs)
+                                    for w in copies]))
+                pdl.set_enabled(old)
+            print(f"    production {name:14}: one call {ts[1]:6.2f} us (of 3: {ts[0]:.2f}-{ts[2]:.2f}) "
+                  f"{wbytes / ts[1] / 1e6:5.2f} TB/s; in a graph {tg[0]:6.2f} us {wbytes / tg[0] / 1e6:5.2f} TB/s "
+                  f"(PDL off: {tg[1]:6.2f} us)", flush=True)
+        del copies
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,attn,prefill")
@@ -1852,9 +2059,14 @@ def main() -> int:
     probes = {"gemm": probe_gemm, "gemv": probe_gemv, "decode_tune": probe_decode_tune, "pdl_ab": probe_pdl_ab,
               "small": probe_small, "prefetch": probe_prefetch, "rms": probe_rms, "attn": probe_attention,
               "attn_fine": lambda c: probe_attention(c, "fine"), "attn_short": probe_attn_short,
-              "decode_small_m": probe_decode_small_m, "rms_tma": probe_rms_tma, "gemv_graph": probe_gemv_graph, "gemv_knobs": probe_gemv_knobs,
+              "decode_small_m": probe_decode_small_m,
+              "attn_short64": lambda c: probe_attn_short(c, batches=(64,), layouts=("dim",),
+                                                         tiles=((1, 2), (2, 2), (2, 3), (4, 2), (4, 3), (8, 2)),
+                                                         splits=(1, 2), block_ns=(64, 128, 256), bf16=True), "rms_tma": probe_rms_tma, "gemv_graph": probe_gemv_graph, "gemv_knobs": probe_gemv_knobs,
               "gemm_gps": probe_gemm_gps, "rms_warp": probe_rms_warp, "rms_parts": probe_rms_parts, "gemm_narrow": probe_gemm_narrow, "rms_occupancy": probe_rms_occupancy,
               "gemm_floor": probe_gemm_floor, "gemm_timeline": probe_gemm_timeline, "gemm_carveout": probe_gemm_carveout, "gemm_tail": probe_gemm_tail, "gemm_nosplit": probe_gemm_nosplit, "gemm_noswap": probe_gemm_noswap,
+              "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
+              "gemm_reduce_timeline": probe_gemm_reduce_timeline,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

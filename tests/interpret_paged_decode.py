@@ -5,7 +5,8 @@
 `tests/test_paged_decode_interpreter.py` runs it in a subprocess (the interpreter is chosen when the kernels
 are decorated, so it needs a fresh process). The checks are tests of `tests/test_attention_gpu.py` whose
 assertions hold in the interpreter: decode vs the FP32 reference, both V page layouts bit for bit, splits
-past a short sequence's keys, the direct single-split path, NaN propagation. (Not those comparing FP8 bits
+past a short sequence's keys, the direct single-split path, NaN propagation; the KV write's in-kernel per-head
+K amax against the torch reduction (kernel vs kernel). (Not those comparing FP8 bits
 with the formats library, nor NaN bytes read past a sequence's end: the interpreter's FP8 casts differ
 from the GPU's.)
 
@@ -27,6 +28,7 @@ CHECKS = {
     "v_layouts": ("test_paged_decode_v_layouts_bit_identical", ()),
     "nan_in_v": ("test_paged_decode_nan_in_v_propagates", ()),
     "direct_fp8": ("test_paged_decode_direct_single_split_is_the_reduce_bit_for_bit", (True,)),
+    "kv_head_amax": ("test_kv_write_head_amax_in_kernel_same_bits", ("monkeypatch",)),
 }
 
 
@@ -56,6 +58,7 @@ def main(names: list[str]) -> int:
         return 3
     root = Path(__file__).resolve().parent
     sys.path[:0] = [str(root.parent), str(root)]
+    import pytest
     import test_attention_gpu as t
 
     t.DEV = "cpu"
@@ -64,7 +67,11 @@ def main(names: list[str]) -> int:
         fn, args = CHECKS[name]
         t0 = time.time()
         try:
-            getattr(t, fn)(*args)
+            if args == ("monkeypatch",):
+                with pytest.MonkeyPatch.context() as mp:
+                    getattr(t, fn)(mp)
+            else:
+                getattr(t, fn)(*args)
         except Exception:  # noqa: BLE001 -- report every check, then fail
             traceback.print_exc()
             print(f"FAILED {name}", flush=True)

@@ -330,6 +330,45 @@ def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv, v_layo
     assert caches[1].seq_lens[:3].tolist() == [41, 4, 111]
 
 
+def test_kv_write_head_amax_in_kernel_same_bits(monkeypatch):
+    """e4m3:head K: the per-head amax computed inside the write kernel (small chunks: decode steps of 1-40 rows, a
+    3-token chunk; 16-, 32- and 64-row amax steps) stores the same bytes and scales as the torch reduction before the launch: a NaN in one head
+    (that head's scale NaN), an all-zero head (scale 1), values at 448 and far beyond, rows naming one sequence
+    twice; both V page layouts."""
+    from engine.kernels import paged_kv
+    from engine.kernels.paged_kv import PagedKVCache
+
+    for v_layout in ("dim", "token"):
+        caches = [PagedKVCache(1, 48, 16, 3, 64, 64, k_spec="e4m3:head", v_spec="e4m3:1x128", max_seqs=4, device=DEV,
+                               quantizer="triton", v_layout=v_layout) for _ in range(2)]
+        for c in caches:
+            for s in range(4):
+                c.allocate(s, 120)
+        calls = []
+        rows40 = ([0, 1, 2, 3] * 10, [20 + i // 4 for i in range(40)], 1)  # one 64-row amax step
+        rows20 = ([0, 1, 2, 3] * 5, [40 + i // 4 for i in range(20)], 1)  # a 32-row step
+        for r, (ids, starts, t) in enumerate([([0, 1, 2, 3], [0, 0, 0, 0], 1), ([3], [1], 3), ([0, 1, 2], [1, 1, 1], 1),
+                                              ([2] * 5, [5, 6, 7, 8, 9], 1), rows40, rows20]):
+            k = _rand(len(ids), 3, t, 64, seed=90 + r, scale=30.0, dtype=torch.float32)
+            v = _rand(len(ids), 3, t, 64, seed=95 + r, dtype=torch.float32)
+            if r == 0:
+                k[:, 1] = 0.0  # an all-zero head
+                k[2, 2, 0, 7] = 448.0 * 64
+            if r == 2:
+                k[1, 0, 0, 3] = float("nan")  # head 0 of this call: NaN scale
+            calls.append((ids, starts, k, v))
+        for i, c in enumerate(caches):
+            monkeypatch.setattr(paged_kv, "HEAD_AMAX_MAX_TOKENS", 64 if i else 0)
+            for ids, starts, k, v in calls:
+                c.write(0, ids, starts, k, v)
+        for s in range(4):
+            a, b = caches[0].gather(0, s, dequantize=False), caches[1].gather(0, s, dequantize=False)
+            assert _bits_equal(a[0], b[0]) and _bits_equal(a[2], b[2]), (v_layout, s)
+            assert _scales_equal(a[1], b[1]) and _scales_equal(a[3], b[3]), (v_layout, s)
+        k_scale = caches[1].gather(0, 1, dequantize=False)[1][0]  # (kv_heads, tokens)
+        assert float(k_scale[1, 0]) == 1.0 and torch.isnan(k_scale[0, 1]) and not torch.isnan(k_scale[1:, 1]).any()
+
+
 def test_paged_cache_bf16_and_allocation():
     """bf16 cache stores the cast values; free() recycles pages; writing past the allocation is refused."""
     from engine.kernels.paged_kv import PagedKVCache

@@ -64,9 +64,11 @@ def test_storage_bytes_and_refused_formats():
     assert prepare_embedding(w, "e4m3:128x128") is None  # a scale tile spans 128 rows: not row-local
 
 
-def test_fp8_block_embed_recipe_differs_from_fp8_block_only_in_embed():
+@pytest.mark.parametrize("base,embed", [("fp8-block", "fp8-block-embed"), ("fp8-kv", "fp8-kv-embed")])
+def test_embed_recipes_differ_from_their_base_only_in_embed(base, embed):
     from engine.recipe import SITES
 
-    a, b = load_recipe("fp8-block"), load_recipe("fp8-block-embed")
+    a, b = load_recipe(base), load_recipe(embed)
     diff = [s for s in SITES if a.spec(s) != b.spec(s)]
     assert diff == ["embed"] and b.spec("embed") == "e4m3:1x128" and b.spec("lm_head") == "bf16"
+    assert (b.spec("kv.k"), b.spec("kv.v")) == (("e4m3:head", "e4m3:1x128") if base == "fp8-kv" else ("bf16", "bf16"))

@@ -52,7 +52,7 @@ class _Launch:
 def _operands(m=3, n=256, k=1024):
     x = torch.zeros(m, k).to(torch.float8_e4m3fn)
     w = torch.zeros(n, k).to(torch.float8_e4m3fn)
-    return x, torch.ones(m, k // 128), w, torch.ones(n // 128, k // 128)
+    return x, torch.ones(m, -(-k // 128)), w, torch.ones(-(-n // 128), -(-k // 128))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -83,3 +83,81 @@ def test_unsplit_call_uses_no_counters(fresh, monkeypatch):
                                 num_stages=3, fused_reduce=True)
     (_, _, meta), = kern.calls
     assert meta["FUSED_REDUCE"] is False and meta["USE_PART"] is False and not fresh._COUNTERS
+
+
+# ------------------------------------------------------------------------------------------ cluster reduce
+def test_cluster_knob_falls_back_to_the_counters_off_cuda(fresh, monkeypatch):
+    """cluster=True where clusters cannot run (here: the CPU) is the fused reduce: same bits, the normal launch."""
+    kern = _Launch()
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: pytest.fail("no cluster launch off CUDA"))
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=True, cluster=True)
+    (grid, _, meta), = kern.calls
+    assert grid == (4, 1, 4) and meta["FUSED_REDUCE"] is True and "CLUSTER" not in meta
+
+
+class _FakeCuda:
+    """What `_cluster_ok` reads of an operand on a CUDA device."""
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("splits,bn,ok", [(2, 64, True), (4, 64, True), (8, 16, True), (8, 128, True),
+                                          (1, 64, False), (3, 64, False), (16, 64, False), (16, 128, False)])
+def test_cluster_rules(monkeypatch, splits, bn, ok):
+    """Portable cluster sizes 2 / 4 / 8 only (a single split needs no reduce; 16 is non-portable)."""
+    monkeypatch.setattr(G.cl, "supported", lambda index: True)
+    assert G._cluster_ok(_FakeCuda(), splits, bn) is ok
+    monkeypatch.setattr(G.cl, "supported", lambda index: False)  # before sm_90
+    assert G._cluster_ok(_FakeCuda(), splits, bn) is False
+
+
+def test_cluster_dispatch_passes_every_kernel_argument(fresh, monkeypatch):
+    """The cluster launch names every argument of the real kernel (the launcher passes them by position), asks for
+    clusters of `splits` CTAs over (N tiles, M tiles) with BN x BM fp32 of reduce region each, and allocates neither
+    partials nor counters."""
+    calls = []
+    monkeypatch.setattr(fresh, "_cluster_ok", lambda x, splits, bn: True)
+    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: calls.append((a, kw)))
+    x, xs, w, ws = _operands(m=20, n=320, k=1920)
+    out = fresh.fp8_block_gemm_triton(x, xs, w, ws, bias=torch.ones(320), out_dtype=torch.bfloat16, split_k=8,
+                                      block_n=32, num_warps=4, num_stages=5, cluster=True)
+    ((kernel, grid, size, region, args), opts), = calls
+    assert kernel is G._fp8_block_gemm_kernel and set(args) == set(kernel.arg_names)
+    assert grid == (10, 1) and size == 8 and region == 32 * 32 * 4 and opts == dict(num_warps=4, num_stages=5)
+    assert args["CLUSTER"] == 8 and args["groups_per_split"] == 2 and args["n_splits"] == 8
+    assert args["out_ptr"] is args["part_ptr"] and args["HAS_BIAS"] is True and args["FUSED_REDUCE"] is False
+    assert out.shape == (20, 320) and not fresh._COUNTERS
+
+
+class _Compiled:
+    """Stands in for a Triton CompiledKernel."""
+
+    def __init__(self, shared):
+        self.metadata = type("Meta", (), {"shared": shared, "num_warps": 4})()
+        self.function, self.name = 1234, "_fp8_block_gemm_kernel"
+        self.packed_metadata = (4, 1, shared)
+
+    def _init_handles(self):
+        pass
+
+
+def test_prepare_rewrites_the_launch_metadata_once(monkeypatch):
+    """Clusters of `size` CTAs with the kernel's shared memory (rounded to 16 B) plus the region; checked against the
+    device's occupancy once per compiled kernel; a cluster that does not fit is a clear error."""
+    from engine.kernels import cluster as cl
+
+    asked = []
+    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: asked.append((fn, shared, size)) or 7)
+    c = _Compiled(51208)
+    cl._prepare(c, 4, 4096)
+    assert c.packed_metadata == (4, 4, 51216 + 4096) and asked == [(1234, 55312, 4)] and c._engine_max_clusters == 7
+    cl._prepare(c, 4, 4096)
+    assert len(asked) == 1
+    cl._prepare(c, 8, 4096)  # another cluster size: asked again
+    assert c.packed_metadata == (4, 8, 55312) and len(asked) == 2
+    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: 0)
+    with pytest.raises(RuntimeError, match="cluster of 8 CTAs of _fp8_block_gemm_kernel with 232448 B"):
+        cl._prepare(_Compiled(228352), 8, 4096)

@@ -5,8 +5,9 @@
   own pre-quant values; act_quant / SwiGLU tilings give identical bits to the default tiling;
 * GEMM: block_n / split_k / pipeline knobs stay within the fp32 tolerance of test_gemm_gpu.py; the fused
   split-K reduction gives the same bits as the two-kernel path (NaN / Inf partials included), and a CUDA
-  graph captured with it survives its counter buffer being outgrown; a DECODE_CONFIGS entry is what the
-  dispatch runs;
+  graph captured with it survives its counter buffer being outgrown; so does the cluster reduce (splits of a
+  tile in one thread-block cluster, partials summed through distributed shared memory), in CUDA graphs with
+  and without PDL; a DECODE_CONFIGS entry is what the dispatch runs;
 * paged decode attention: qk_fp16 changes only the conversion path (scores agree to ~1e-6 even for q rows
   scaled by 2**+-60), fold_v_scale and the tile knobs stay within the attention tolerance of the FP32
   reference.
@@ -148,27 +149,6 @@ def test_fp8_gemm_knobs_and_fused_reduce(m):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
 
 
-@pytest.mark.parametrize("m", [2, 16])
-def test_fused_reduce_with_nan_and_inf_partials(m):
-    """NaN / Inf in one split's partial sums (a NaN activation, an Inf activation scale) reach the output exactly as
-    through the reduce kernel, and the counters are left at zero."""
-    from engine.kernels import gemm as G
-
-    n, k = 256, 1024
-    xd, xs, wd, ws = _block_operands(m, n, k, seed=30 + m)
-    xd = xd.clone()
-    xd[0, 5] = float("nan")  # e4m3fn has a NaN and no Inf: the Inf comes from a scale
-    xs = xs.clone()
-    xs[m - 1, 6] = float("inf")
-    for split in (2, 8):
-        kw = dict(out_dtype=torch.float32, split_k=split, block_n=64, num_warps=4, num_stages=3)
-        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=False, **kw)
-        fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
-        assert bool(plain[0].isnan().all()) and not bool(plain[m - 1].isfinite().all())
-        torch.testing.assert_close(fused, plain, rtol=0, atol=0, equal_nan=True)
-    assert int(G._COUNTERS[xd.device].abs().sum()) == 0
-
-
 def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
     """A CUDA graph captured with the fused split-K reduce keeps working after a call with more tiles has grown the
     counter buffer: the old buffer is retired, not freed, and every call leaves its counters at zero."""
@@ -196,6 +176,104 @@ def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(got, want)
     assert int(small().abs().sum()) == 0 and int(G._COUNTERS[dev].abs().sum()) == 0
+
+
+@pytest.fixture
+def cluster_launches(monkeypatch):
+    """Cluster sizes of the cluster-reduce launches made during the test (engine.kernels.cluster.launch spied)."""
+    from engine.kernels import cluster as cl
+
+    sizes, real = [], cl.launch
+
+    def spy(kernel, grid, size, region, args, **options):
+        sizes.append(size)
+        return real(kernel, grid, size, region, args, **options)
+
+    monkeypatch.setattr(cl, "launch", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
+def test_cluster_reduce_same_bits_as_fused(m, cluster_launches):
+    """The K splits of each tile as one thread-block cluster, reduced through distributed shared memory: the same bits
+    as the fused reduce for 2 / 4 / 8 splits (uneven last splits), 16-128 weight rows per tile, fp32 and bf16 output
+    with bias, and the bf16-rounded fp32 carrier; every call really ran as a cluster."""
+    from engine.kernels import gemm as G
+
+    n, k = 320, 1920  # 15 K groups: every split count leaves a shorter last split; N not a multiple of the tile
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=50 + m)
+    bias = _randn(n, seed=51)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    cases = 0
+    for bn in (16, 64, 128):
+        for split in (2, 4, 8):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                kw = dict(bias=bias, out_dtype=out_dtype, split_k=split, block_n=bn, num_warps=4, num_stages=3)
+                fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
+                clus = G.fp8_block_gemm_triton(xd, xs, wd, ws, cluster=True, **kw)
+                assert torch.equal(clus, fused), (bn, split, out_dtype)
+                cases += 1
+            assert _rel(clus, ref) < 1e-2  # bf16 output
+            strides = (xs.stride(0), xs.stride(1)), (ws.stride(0), ws.stride(1))
+            rounded = [G._launch_fp8(xd, xs, strides[0], wd, ws, strides[1], bias, torch.float32, split, block_n=bn,
+                                     num_warps=4, num_stages=3, round_bf16=True, **{key: True})
+                       for key in ("fused_reduce", "cluster")]
+            assert torch.equal(rounded[1], rounded[0]) and torch.equal(rounded[1], rounded[1].bfloat16().float())
+            cases += 1
+    assert cluster_launches == [s for bn in (16, 64, 128) for s in (2, 4, 8) for _ in range(3)] and cases == 27
+
+
+@pytest.mark.parametrize("how", ["fused_reduce", "cluster"])
+@pytest.mark.parametrize("m", [2, 16])
+def test_split_k_reduce_with_nan_and_inf_partials(m, how, cluster_launches):
+    """NaN / Inf in one split's partial sums (a NaN activation, an Inf activation scale) reach the output through the
+    fused reduce and through the cluster reduce exactly as through the reduce kernel; the fused reduce leaves its
+    counters at zero, the cluster reduce really ran in clusters."""
+    from engine.kernels import gemm as G
+
+    n, k = 256, 1024
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=30 + m)
+    xd = xd.clone()
+    xd[0, 5] = float("nan")  # e4m3fn has a NaN and no Inf: the Inf comes from a scale
+    xs = xs.clone()
+    xs[m - 1, 6] = float("inf")
+    for split in (2, 8):
+        kw = dict(out_dtype=torch.float32, split_k=split, block_n=64, num_warps=4, num_stages=3)
+        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=False, **kw)
+        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **{how: True}, **kw)
+        assert bool(plain[0].isnan().all()) and not bool(plain[m - 1].isfinite().all())
+        torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+    if how == "cluster":
+        assert cluster_launches == [2, 8]
+    else:
+        assert int(G._COUNTERS[xd.device].abs().sum()) == 0 and not cluster_launches
+
+
+def test_cluster_reduce_in_a_graph_with_and_without_pdl(cluster_launches):
+    """Cluster launches captured in a CUDA graph replay to the eager bits, with programmatic dependent launch on and
+    off; the device holds at least one cluster of the kernel."""
+    from engine.kernels import gemm as G
+    from engine.kernels import pdl
+
+    xd, xs, wd, ws = _block_operands(4, 1024, 4096, seed=70)
+    kw = dict(out_dtype=torch.bfloat16, split_k=4, block_n=64, num_warps=4, num_stages=5, cluster=True)
+    want = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **{k_: v for k_, v in kw.items()
+                                                                        if k_ != "cluster"})
+    for on in (True, False):
+        old = pdl.set_enabled(on)
+        try:
+            assert torch.equal(G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw), want)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+            for _ in range(3):
+                got.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(got, want), on
+        finally:
+            pdl.set_enabled(old)
+    assert cluster_launches == [4] * 4
 
 
 def test_decode_configs_entry_is_dispatched(monkeypatch):

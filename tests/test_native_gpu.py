@@ -19,7 +19,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = ["bf16", "fp8-tensor", "fp8-block", "fp8-kv", "mxfp8", "w4a16-mxfp4", "fp8-block-embed"]
+RECIPES = ["bf16", "fp8-tensor", "fp8-block", "fp8-kv", "mxfp8", "w4a16-mxfp4", "fp8-block-embed", "fp8-kv-embed"]
 
 
 def _kld(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -67,14 +67,16 @@ def _cache(dtype, kv_heads: int = 8) -> PagedKVCache:
 @pytest.mark.parametrize("batch,context,want", [
     (1, 192, (4, 3, 3)),       # 3 tiles over 3 splits: short walks, latency-bound -> 4 warps, 3 stages
     (8, 192, (4, 3, 3)),       # the splits recomputed for 4 warps still cover the 3 tiles
-    (64, 192, (4, 3, 1)),      # one split of 3 tiles is still a short walk
+    (64, 192, (2, 3, 1)),      # one split of 3 tiles is a short walk, but 512 programs of 4 warps: keep 2 warps
+    (32, 192, (4, 3, 1)),      # 256 programs <= 2 per SM: 4 warps
     (8, 32768, (2, 5, 8)),     # the session-8 long-context default: 4 programs of 2 warps per SM
     (1, 4096, (4, 3, 33)),     # 2 warps: min(528 / 8, 64 tiles) = 64 one-tile splits -> 4 warps: 264 / 8 = 33
     (32, 8192, (2, 5, 2)),     # 128 tiles over 2 splits: long walks
 ])
 def test_decode_plan_fp8_short_and_long_contexts(batch, context, want):
-    """FP8 pages: splits by the 2-warp rule first; each split walking <= SHORT_TILES tiles gets 4 warps / 3 stages
-    and the splits again for 4 warps (132 SMs, 8 KV heads, block_n 64)."""
+    """FP8 pages: splits by the 2-warp rule first; each split walking <= SHORT_TILES tiles gets 3 stages, and 4 warps
+    with the splits again for 4 warps unless those are more than 2 programs per SM (132 SMs, 8 KV heads,
+    block_n 64)."""
     from engine.kernels.paged_kv import decode_plan
 
     assert decode_plan(_cache(torch.float8_e4m3fn), 132, batch, context, 64) == want

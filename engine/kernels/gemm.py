@@ -45,8 +45,9 @@ Paths:
 
 Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (or, with
 ``fused_reduce``, the last split of each tile -- found with an arrival counter -- sums them in the
-same order; no atomic accumulation either way), so a given (shape, device) always produces the same
-bits. The number of splits is a function of the shape and the SM count only, or of a
+same order; with ``cluster``, the splits of a tile form one thread-block cluster and sum them in the same order
+through distributed shared memory; no atomic accumulation either way), so a given (shape, device) always
+produces the same bits. The number of splits is a function of the shape and the SM count only, or of a
 ``DECODE_CONFIGS`` entry (measured configs stored as data, per device and shape; the tuning knobs
 are keyword arguments of :func:`fp8_block_gemm_triton`). Decode calls on weights of >= 2**24
 elements without an entry autotune the pipeline depth (3 configs, ~0.1 s) on their first call per
@@ -65,7 +66,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels import cluster as cl
 from engine.kernels import sm_count
+from engine.kernels.cluster import arrive as cluster_arrive, load_local, store_remote, wait as cluster_wait
 from engine.kernels.quant import _round_bf16
 from engine.kernels.pdl import l2_prefetch, launch_opts, pdl_enter
 
@@ -98,6 +101,38 @@ def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr, BN: tl.constexpr, BM: tl.constexpr,
+                    S: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Split-K reduce inside a cluster of the S splits of one tile (engine.kernels.cluster): rows
+    [r * BN/S, (r+1) * BN/S) of the tile belong to rank r. Each split stores those rows of its partial acc
+    (BN, BM) into rank r's shared memory (slot = its split index), the cluster barrier publishes them, and
+    each rank sums its rows' S slots in split order from zero -- the same fp32 additions as
+    `_splitk_reduce_kernel` and the fused reduce, so the same bits -- and writes them to out (M, N)."""
+    ROWS: tl.constexpr = BN // S
+    SLOT: tl.constexpr = ROWS * BM * 4
+    REGION: tl.constexpr = S * SLOT
+    n_l = tl.arange(0, BN)
+    m_l = tl.arange(0, BM)
+    off = pid_s * SLOT + ((n_l % ROWS)[:, None] * BM + m_l[None, :]) * 4
+    dst = (n_l // ROWS)[:, None] + m_l[None, :] * 0
+    ready = cluster_wait(started)  # every CTA of the cluster runs: its shared memory exists
+    store_remote(acc, off + ready * 0, dst, REGION)
+    cluster_wait(cluster_arrive(ready, True))  # every split's rows are in place
+    r_l = tl.arange(0, ROWS)
+    r_off = (r_l[:, None] * BM + m_l[None, :]) * 4
+    tot = tl.zeros((ROWS, BM), dtype=tl.float32)
+    for s in tl.static_range(S):  # split order, as _splitk_reduce_kernel
+        tot += load_local(r_off + s * SLOT, REGION)
+    offs_n = pid_n * BN + pid_s * ROWS + r_l
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    if HAS_BIAS:
+        tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    if ROUND_BF16:
+        tot = _round_bf16(tot)
+    tl.store(out_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], tot.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # M, N and the scale strides are not value-specialized: fewer compiled variants; K and the row
 # strides are (16-byte divisibility enables vector loads).
 @triton.jit(do_not_specialize=["M", "N", "groups_per_split", "n_splits", "stride_xsm", "stride_xsg", "stride_wsn",
@@ -107,7 +142,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, CLUSTER: tl.constexpr = 1):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
@@ -121,9 +156,14 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     the counter starts after this one has completed (session 11, benchmarks/results/
     h200-2026-11-29-session11/: 0.5 us less per call than the acq_rel exchange it replaces)."""
     pdl_enter(PDL)
-    pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    if CLUSTER > 1:  # grid (N tiles * CLUSTER, M tiles) in clusters of CLUSTER: the splits of one tile
+        pid_n = tl.program_id(0) // CLUSTER
+        pid_s = tl.program_id(0) % CLUSTER
+        started = cluster_arrive(pid_s, False)  # matched by the wait before the first remote store
+    else:
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, 128)
@@ -148,9 +188,13 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
-    _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
-              USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
-    if USE_PART and FUSED_REDUCE:
+    if CLUSTER > 1:
+        _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr, BN, BM, CLUSTER, HAS_BIAS,
+                        ROUND_BF16)
+    else:
+        _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
+                  USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
+    if USE_PART and FUSED_REDUCE and CLUSTER == 1:
         tile = pid_m * tl.num_programs(0) + pid_n
         tl.debug_barrier()  # every thread's partial store happens before the release below
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -351,7 +395,7 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # H200 sweep, benchmarks/results/h200-2026-11-29-session3/tune_gemm.txt: 26.5 us vs 27.8 us at M=1
     ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
 }
-DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce")
+DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster")
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
 # num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
 # clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
@@ -495,11 +539,43 @@ def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int],
         PF_BYTES=pf, num_warps=num_warps, **launch_opts(x))
 
 
+def _cluster_ok(x: torch.Tensor, splits: int, bn: int) -> bool:
+    """Whether the cluster reduce can run: CUDA sm_90+, 2 / 4 / 8 splits (portable cluster sizes) that divide the
+    tile's rows. Otherwise the fused reduce runs instead (the same additions in the same order: same bits)."""
+    return (x.is_cuda and splits in (2, 4, 8) and bn % splits == 0
+            and cl.supported(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
+                    ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+                    bm: int, bn: int, splits: int, per: int, round_bf16: bool, num_warps: int, num_stages: int) -> None:
+    """The split-K kernel with its `splits` K splits of each tile in one thread-block cluster, reduced through
+    distributed shared memory (`_cluster_reduce`): no partial-sum buffer, no counters.
+
+    Opt-in only (no default, no DECODE_CONFIGS entry). H200, 4096x14336, 4 splits x 64 rows, one call after a
+    clean L2 flush: M = 4 21.1 us vs the fused reduce's 21.0, M = 16 21.7 vs 21.5; back to back in a CUDA graph
+    with PDL 26.1 vs 18.8 us (without PDL 18.9 vs 19.0). Clusters of 4 leave 8 of the 132 SMs unused (124 SMs,
+    2-3 programs each) and the partial exchange through the cluster barrier costs what the global handshake
+    does (benchmarks/results/h200-2026-11-29-session12/probe_gemm_cluster*.txt)."""
+    m, k = x.shape
+    n = w.shape[0]
+    opts = launch_opts(x)
+    args = dict(x_ptr=x, xs_ptr=xs, w_ptr=w, ws_ptr=ws, out_ptr=out, part_ptr=out,
+                bias_ptr=bias if bias is not None else out, cnt_ptr=out, M=m, N=n, K=k, groups_per_split=per,
+                n_splits=splits, stride_xm=x.stride(0), stride_wn=w.stride(0), stride_xsm=xs_strides[0],
+                stride_xsg=xs_strides[1], stride_wsn=ws_strides[0], stride_wsg=ws_strides[1], BM=bm, BN=bn,
+                USE_PART=True, HAS_BIAS=bias is not None, FUSED_REDUCE=False, ROUND_BF16=round_bf16,
+                PDL=opts["PDL"], CLUSTER=splits)
+    cl.launch(_fp8_block_gemm_kernel, (_cdiv(n, bn), _cdiv(m, bm)), splits, bn * bm * 4, args,
+              num_warps=num_warps, num_stages=num_stages, **{k_: v for k_, v in opts.items() if k_ != "PDL"})
+
+
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                fused_reduce: Optional[bool] = None, round_bf16: bool = False) -> torch.Tensor:
+                fused_reduce: Optional[bool] = None, round_bf16: bool = False,
+                cluster: Optional[bool] = None) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
@@ -514,7 +590,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 fused_reduce=fused_reduce)
+                 fused_reduce=fused_reduce, cluster=cluster)
     if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
@@ -527,6 +603,10 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
     fr = cfg.get("fused_reduce")
     fused = (FUSED_REDUCE_DEFAULT and x.is_cuda if fr is None else bool(fr)) and splits > 1
+    if cfg.get("cluster") and _cluster_ok(x, splits, bn):
+        _launch_cluster(x, xs, xs_strides, w, ws, ws_strides, bias, out, bm, bn, splits, per, round_bf16,
+                        cfg.get("num_warps") or warps, cfg.get("num_stages") or stages)
+        return out
     part = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
     cnt = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
@@ -573,7 +653,8 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
                           out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None, *,
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
-                          num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None) -> torch.Tensor:
+                          num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
+                          cluster: Optional[bool] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
@@ -583,12 +664,15 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     defaults): ``split_k`` K splits (changes the fp32 summation order); ``block_n`` weight rows per
     program (16 / 32 / 64 / 128); ``num_warps``, ``num_stages`` (pipeline depth); ``fused_reduce``:
     the last split of each tile sums the partials (same bits as the separate reduce kernel, one launch
-    fewer; fused calls must run in stream order, see `_tile_counters`).
+    fewer; fused calls must run in stream order, see `_tile_counters`); ``cluster``: the splits of each
+    tile run as one thread-block cluster and sum their partials through distributed shared memory
+    (`_cluster_reduce`: same bits again; CUDA sm_90+ with 2 / 4 / 8 splits dividing ``block_n``, else
+    the fused reduce runs).
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce)
+                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -257,18 +257,38 @@ def _decode_reduce_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, hp_ptr, osc_ptr, H,
 
 
 @triton.jit
+def _head_amax(k_ptr, h, B, T, skb, skh, skt, skd, DK: tl.constexpr, DK_P: tl.constexpr, RB: tl.constexpr):
+    """max |k| over every (row, token) of KV head h of a (B, heads, T, DK) chunk, NaN when any element is NaN (the
+    library's NaN-propagating amax), RB (row, token) pairs per step: one step when RB >= B * T, so that its loads
+    go out with the program's own (one memory round trip, not one per step)."""
+    dk = tl.arange(0, DK_P)
+    amax = tl.full((), 0.0, tl.float32)
+    nan = tl.full((), 0, tl.int32)
+    for r0 in range(0, B * T, RB):
+        r = r0 + tl.arange(0, RB)
+        ok = (r < B * T)[:, None] & (dk < DK)[None, :]
+        x = tl.load(k_ptr + (r // T).to(tl.int64)[:, None] * skb + h * skh + (r % T)[:, None] * skt + dk[None, :] * skd,
+                    mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x)))
+        nan += tl.sum((x != x).to(tl.int32))
+    return tl.where(nan > 0, float("nan"), amax)
+
+
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr, vc_ptr, kcs_ptr, vcs_ptr,
                      T, s_bt, MAX_BLOCKS, TRASH, skb, skh, skt, skd, svb, svh, svt, svd,
                      sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, sv_d, sks_blk, sks_h, sks_t, svs_blk, svs_h, svs_t, svs_g,
                      PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
                      GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
                      K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, HEAD_AMAX: tl.constexpr = False, AMAX_ROWS: tl.constexpr = 16):
     """Grid (batch, token blocks, kv_heads): quantize BT tokens of one (row, kv_head) and scatter them to
     their pages. K: the head's scale from kamax (e4m3:head) or one scale per token (e4m3:token); V: one
     scale per 128-group (GW-wide groups, NG per padded row, VG real ones), or with V_TOKEN one scale per
     token written to all VG group slots. Non-FP8 caches store the cast values. UPDATE_LEN: program (b, 0, 0)
-    raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree)."""
+    raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree). HEAD_AMAX (with
+    K_PER_HEAD): each program computes its head's amax over the whole chunk itself (`_head_amax`, AMAX_ROWS
+    (row, token) pairs per step; for small chunks: decode steps) instead of reading kamax."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(2)
@@ -296,7 +316,11 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
     voff = page[:, None] * sv_blk + h * sv_h + slot[:, None] * sv_t + dv[None, :] * sv_d
     if FP8:
         if K_PER_HEAD:
-            amax = tl.full((BT,), 0.0, tl.float32) + tl.load(kamax_ptr + h)
+            if HEAD_AMAX:
+                amax = tl.full((BT,), 0.0, tl.float32) + _head_amax(k_ptr, h, tl.num_programs(0), T, skb, skh, skt,
+                                                                     skd, DK, DK_P, AMAX_ROWS)
+            else:
+                amax = tl.full((BT,), 0.0, tl.float32) + tl.load(kamax_ptr + h)
             ks = tl.div_rn(amax, tl.full((BT,), 448.0, tl.float32))  # a NaN amax gives a NaN scale
             ks = tl.where(amax == 0.0, 1.0, ks)
         else:
@@ -318,16 +342,24 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
 
 
 # ----------------------------------------------------------------- wrappers
+# e4m3:head K: chunks of up to this many (row, token) pairs -- decode steps up to batch 64 -- get their per-head
+# amax inside the write kernel (each program reads its head's whole chunk, at most 64 x head_dim values, in one
+# step) instead of two torch launches (abs, amax) before it: 32 layers x two small launches per decode step. Larger
+# chunks (prefill) keep the torch reduction: the in-kernel reads grow with the chunk squared. Same bits either way.
+HEAD_AMAX_MAX_TOKENS = 64
 def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, update_lens: bool = False) -> None:
     """Quantize k (batch, kv_heads, t, d) / v (batch, kv_heads, t, dv) and scatter them into the pages of
     sequences sid (batch,) at positions st[b] + j (device int tensors). The per-head K amax over the call
-    (e4m3:head) is one torch reduction first (NaN-propagating, like the library's). `update_lens`: also raise
+    (e4m3:head, NaN-propagating like the library's): for up to `HEAD_AMAX_MAX_TOKENS` (row, token) pairs every
+    program of the one launch computes its head's amax itself, else one torch reduction runs first.
+    `update_lens`: also raise
     cache.seq_lens[sid] to st + t in the same launch. Reference: the cache's "library" write path
     (`PagedKVCache(quantizer="library")`)."""
     b, h, t, _ = k.shape
     per_head = cache.fp8 and cache.k_spec == "e4m3:head"
-    kamax = k.abs().float().amax(dim=(0, 2, 3)).contiguous() if per_head else cache.seq_lens  # (kv_heads,)
+    in_kernel = per_head and b * t <= HEAD_AMAX_MAX_TOKENS
+    kamax = k.abs().float().amax(dim=(0, 2, 3)).contiguous() if per_head and not in_kernel else cache.seq_lens
     kc, vc = cache.k_data(layer), cache.v_data(layer)
     kcs = cache.k_scale(layer) if cache.fp8 else kc
     vcs = cache.v_scale(layer) if cache.fp8 else vc
@@ -341,8 +373,8 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
         *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
-        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, num_warps=4,
-        **launch_opts(k))
+        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, HEAD_AMAX=in_kernel,
+        AMAX_ROWS=max(16, triton.next_power_of_2(b * t)) if in_kernel else 16, num_warps=4, **launch_opts(k))
 
 
 def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
@@ -370,6 +402,11 @@ def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos)
 
 # Tiles per split at or below which FP8 pages take the short-context tiles (`decode_tiles`).
 SHORT_TILES = 4
+# ... as long as their grid holds at most this many of those 4-warp programs per SM; a larger grid keeps 2 warps
+# (with the short walk's 3 stages). H200, 140-token contexts, per launch in a CUDA graph: batch 64 (512 programs,
+# one split) 16.3 us with 2 warps against 22.3 with 4 (benchmarks/results/h200-2026-11-29-session12/
+# probe_attn_short64.txt); batch 8 x 3 splits (192 programs) and batch 1 favour 4 warps (session 9).
+SHORT_MAX_PROGRAMS_PER_SM = 2
 
 
 def decode_tiles(cache: PagedKVCache, tiles_per_split: Optional[int] = None) -> tuple[int, int]:
@@ -392,14 +429,18 @@ def decode_plan(cache: PagedKVCache, sms: int, batch: int, context: int, block_n
     """(num_warps, num_stages, num_splits) of a paged decode call on `batch` sequences of at most `context`
     tokens: the given splits / warps, else `decode_splits` and `decode_tiles` -- the splits for the long-walk
     warps first; where they leave each split at most SHORT_TILES tiles, the short-context tiles, and the splits
-    again for their warps. A function of these arguments only, so a CUDA graph's replays keep one grid."""
+    again for their warps, unless that grid has more than SHORT_MAX_PROGRAMS_PER_SM programs per SM (then the
+    long-walk warps and splits with the short walk's stages). A function of these arguments only, so a CUDA
+    graph's replays keep one grid."""
     tiles = triton.cdiv(max(1, context), block_n)
     warps = num_warps or decode_tiles(cache)[0]
     splits = num_splits or decode_splits(sms, batch, cache.kv_heads, context, block_n, row_blocks, cap, warps)
     short_w, stages = decode_tiles(cache, triton.cdiv(tiles, splits))
     if num_warps is None and short_w != warps:
-        warps = short_w
-        splits = num_splits or decode_splits(sms, batch, cache.kv_heads, context, block_n, row_blocks, cap, warps)
+        short_splits = num_splits or decode_splits(sms, batch, cache.kv_heads, context, block_n, row_blocks, cap,
+                                                   short_w)
+        if batch * cache.kv_heads * row_blocks * short_splits <= SHORT_MAX_PROGRAMS_PER_SM * sms:
+            warps, splits = short_w, short_splits
     return warps, stages, splits
 
 
