@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import DECODE_SHAPES, fingerprint, fp8_block_operands, graph_us  # noqa: E402
 from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
+from engine.kernels.gemm import _split_k_tile  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
 from engine.kernels.quant import (_div_by_scale, _fast_domain, _group_offsets, _quant_groups,  # noqa: E402
                                   _quant_groups_fast, _rstd, _tile_rows)
@@ -898,18 +899,11 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
     if TIMES:
         prog = (pid_s * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
         t_start = _now(pid_n)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n, offs_m, n_ok, m_ok, w_rows, x_rows, ws_row, xs_rows, g0, g1 = _split_k_tile(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, groups_per_split, stride_xm, stride_wn,
+        stride_xsm, stride_wsn, BM, BN)
     offs_k = tl.arange(0, 128)
     j = tl.arange(0, GPS)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
-    xs_rows = xs_ptr + offs_m * stride_xsm
-    g0 = pid_s * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
     ws_next = tl.load(ws_row + (g0 + j) * stride_wsg, mask=g0 + j < g1, other=0.0)
     xs_next = tl.load(xs_rows[:, None] + (g0 + j)[None, :] * stride_xsg, mask=m_ok[:, None] & (g0 + j < g1)[None, :],
                       other=0.0)

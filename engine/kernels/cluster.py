@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def arrive(dep, RELEASE: tl.constexpr):
     """This thread arrives at the cluster barrier (release: its earlier shared-memory stores, remote ones

@@ -133,6 +133,22 @@ def _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr,
     tl.store(out_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], tot.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _split_k_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, groups_per_split, stride_xm, stride_wn,
+                  stride_xsm, stride_wsn, BM: tl.constexpr, BN: tl.constexpr):
+    """The tile of split-K program (pid_n, pid_m, pid_s): (offs_n, offs_m, n_ok, m_ok, weight rows, activation rows,
+    the tile's weight-scale row, its activation-scale rows, first and end 128-group [g0, g1) of its K split)."""
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
+    xs_rows = xs_ptr + offs_m * stride_xsm
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
+    return offs_n, offs_m, offs_n < N, offs_m < M, w_rows, x_rows, ws_row, xs_rows, g0, g1
+
+
 # M, N and the scale strides are not value-specialized: fewer compiled variants; K and the row
 # strides are (16-byte divisibility enables vector loads).
 @triton.jit(do_not_specialize=["M", "N", "groups_per_split", "n_splits", "stride_xsm", "stride_xsg", "stride_wsn",
@@ -164,17 +180,10 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     else:
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n, offs_m, n_ok, m_ok, w_rows, x_rows, ws_row, xs_rows, g0, g1 = _split_k_tile(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, groups_per_split, stride_xm, stride_wn,
+        stride_xsm, stride_wsn, BM, BN)
     offs_k = tl.arange(0, 128)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    ws_row = ws_ptr + ((pid_n * BN) // 128) * stride_wsn
-    xs_rows = xs_ptr + offs_m * stride_xsm
-    g0 = pid_s * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(K, 128))
     ws_next = tl.load(ws_row + g0 * stride_wsg, mask=g0 < g1, other=0.0)
     xs_next = tl.load(xs_rows + g0 * stride_xsg, mask=m_ok & (g0 < g1), other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)

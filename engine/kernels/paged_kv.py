@@ -281,12 +281,12 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
                      PAGE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
                      GW: tl.constexpr, NG: tl.constexpr, VG: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr,
                      K_PER_HEAD: tl.constexpr, V_TOKEN: tl.constexpr, slen_ptr, UPDATE_LEN: tl.constexpr = False,
-                     PDL: tl.constexpr = False, HEAD_AMAX: tl.constexpr = False, AMAX_ROWS: tl.constexpr = 16):
+                     PDL: tl.constexpr = False, AMAX_ROWS: tl.constexpr = 0):
     """Grid (batch, token blocks, kv_heads): quantize BT tokens of one (row, kv_head) and scatter them to
     their pages. K: the head's scale from kamax (e4m3:head) or one scale per token (e4m3:token); V: one
     scale per 128-group (GW-wide groups, NG per padded row, VG real ones), or with V_TOKEN one scale per
     token written to all VG group slots. Non-FP8 caches store the cast values. UPDATE_LEN: program (b, 0, 0)
-    raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree). HEAD_AMAX (with
+    raises seq_lens[seq] to start + T (an atomic max: rows naming one sequence twice agree). AMAX_ROWS > 0 (with
     K_PER_HEAD): each program computes its head's amax over the whole chunk itself (`_head_amax`, AMAX_ROWS
     (row, token) pairs per step; for small chunks: decode steps) instead of reading kamax."""
     pdl_enter(PDL)
@@ -316,7 +316,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
     voff = page[:, None] * sv_blk + h * sv_h + slot[:, None] * sv_t + dv[None, :] * sv_d
     if FP8:
         if K_PER_HEAD:
-            if HEAD_AMAX:
+            if AMAX_ROWS > 0:
                 amax = tl.full((BT,), 0.0, tl.float32) + _head_amax(k_ptr, h, tl.num_programs(0), T, skb, skh, skt,
                                                                      skd, DK, DK_P, AMAX_ROWS)
             else:
@@ -347,15 +347,16 @@ def _kv_write_kernel(k_ptr, v_ptr, kamax_ptr, bt_ptr, seq_ptr, start_ptr, kc_ptr
 # step) instead of two torch launches (abs, amax) before it: 32 layers x two small launches per decode step. Larger
 # chunks (prefill) keep the torch reduction: the in-kernel reads grow with the chunk squared. Same bits either way.
 HEAD_AMAX_MAX_TOKENS = 64
+
+
 def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, update_lens: bool = False) -> None:
     """Quantize k (batch, kv_heads, t, d) / v (batch, kv_heads, t, dv) and scatter them into the pages of
     sequences sid (batch,) at positions st[b] + j (device int tensors). The per-head K amax over the call
     (e4m3:head, NaN-propagating like the library's): for up to `HEAD_AMAX_MAX_TOKENS` (row, token) pairs every
     program of the one launch computes its head's amax itself, else one torch reduction runs first.
-    `update_lens`: also raise
-    cache.seq_lens[sid] to st + t in the same launch. Reference: the cache's "library" write path
-    (`PagedKVCache(quantizer="library")`)."""
+    `update_lens`: also raise cache.seq_lens[sid] to st + t in the same launch. Reference: the cache's "library"
+    write path (`PagedKVCache(quantizer="library")`)."""
     b, h, t, _ = k.shape
     per_head = cache.fp8 and cache.k_spec == "e4m3:head"
     in_kernel = per_head and b * t <= HEAD_AMAX_MAX_TOKENS
@@ -373,8 +374,8 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
         *(kcs.stride()[:3] if cache.fp8 else (0, 0, 0)), *(vcs.stride()[:4] if cache.fp8 else (0, 0, 0, 0)),
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
-        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens, HEAD_AMAX=in_kernel,
-        AMAX_ROWS=max(16, triton.next_power_of_2(b * t)) if in_kernel else 16, num_warps=4, **launch_opts(k))
+        V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens,
+        AMAX_ROWS=max(16, triton.next_power_of_2(b * t)) if in_kernel else 0, num_warps=4, **launch_opts(k))
 
 
 def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
