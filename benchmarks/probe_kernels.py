@@ -38,6 +38,10 @@
   reduce through global memory; the cost of a cluster launch itself (empty kernel, the split-K loop alone in
   clusters) and both reduces in CUDA graphs; per-program timeline of the fused reduce (`_gps_probe_kernel`
   TIMES); paged FP8 decode attention at batch 64 x 140 tokens over warps / stages / splits / block_n.
+* gemm_wholek / gemm_wholek_rotate (session 13): the decode GEMM with no split-K through the whole-K Gluon wgmma
+  kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
+  production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
+  program vs aligned.
 """
 
 from __future__ import annotations
@@ -1879,6 +1883,74 @@ def probe_gemm_noswap(copy_tbs: float, ms=(4, 16)) -> None:
                       f"{t16 / b[0][0]:4.2f}x bf16 {b[0][1]} rel err {b[0][2]:.1e}", flush=True)
 
 
+def probe_gemm_wholek(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (7168, 16384), (4096, 4096),
+                                              (6144, 4096)), ms=(4, 16)) -> None:
+    """Session 13: the decode GEMM with no split-K (`whole_k=2 / 4`, the Gluon wgmma kernel of
+    engine.kernels.gemm_wgmma: each program streams block_n whole weight rows through a TMA ring of num_stages
+    stages of 2 / 4 groups) over block_n, groups per stage and stages, vs production (the split-K kernel, fused reduce) and bf16 cuBLAS; one call each.
+    Also: its bits vs the split-K kernel with one split (the same per-group math), and the best config back to
+    back in a CUDA graph (3 weight copies, so that calls do not find the weight in L2)."""
+    from engine.kernels import gemm as G
+    from engine.kernels import gemm_wgmma as GW
+
+    print(f"\n## whole-K Gluon wgmma decode GEMM vs production split-K (flush {FLUSH}; one call)")
+    for n, k, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases(shapes, ms):
+        _case_line(n, k, m, t16, t0, wbytes)
+        f32 = torch.float32
+        one = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, split_k=1, block_n=32)
+        res = []
+        for bn in GW.BLOCK_NS:
+            for gps, stages in ((4, 2), (4, 3), (4, 4), (2, 3), (2, 4), (2, 6), (2, 8)):
+                if GW.plan_error(m, n, k, bn, stages, gps):
+                    continue
+                cfg = dict(whole_k=gps, block_n=bn, num_stages=stages)
+                _sweep_one(res, cfg, lambda cfg=cfg: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, **cfg),
+                           ref)
+        _top(res, wbytes, copy_tbs, "production", n=8)
+        if not res:
+            continue
+        best = res[0][1]
+        out = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32, **best)
+        same = torch.equal(out.view(torch.int32), G.fp8_block_gemm_triton(
+            xd, xs, wd, ws, out_dtype=f32, split_k=1, block_n=best["block_n"]).view(torch.int32))
+        rel1 = ((out - one).abs().max() / one.abs().max()).item()
+        copies = [(wd.clone(), ws.clone()) for _ in range(3)]
+        tg = graph_us([lambda w_=w_, s_=s_: G.fp8_block_gemm_triton(xd, xs, w_, s_, out_dtype=f32, **best)
+                       for w_, s_ in copies])
+        tg0 = graph_us([lambda w_=w_, s_=s_: G.fp8_block_linear(xd, xs, w_, s_, out_dtype=f32) for w_, s_ in copies])
+        del copies
+        print(f"      best {best}: {res[0][0]:6.2f} us {wbytes / res[0][0] / 1e6:5.2f} TB/s "
+              f"{t16 / res[0][0]:4.2f}x bf16 (production {t0:6.2f} us); bits == split_k=1 (block_n "
+              f"{best['block_n']}): {same}, rel diff vs split_k=1 block_n 32 {rel1:.1e}; CUDA graph {tg:6.2f} us "
+              f"{wbytes / tg / 1e6:5.2f} TB/s (production {tg0:6.2f} us {wbytes / tg0 / 1e6:5.2f} TB/s)", flush=True)
+
+
+def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16)) -> None:
+    """Session 13: the whole-K Gluon kernel with each program starting its K walk at its own chunk
+    (`engine.kernels.gemm_wgmma.launch(rotate=True)`), so that the programs do not all read the same activation
+    tile at once, vs the same config walking K from 0; one call each (us)."""
+    from engine.kernels import gemm_wgmma as GW
+
+    print(f"\n## whole-K Gluon kernel, rotated vs aligned K walk, {n}x{k} (flush {FLUSH}; one call)")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        res = []
+        for bn in (32, 64):
+            for gps, stages in ((4, 3), (4, 4), (2, 6), (2, 8)):
+                for rotate in (False, True):
+                    if GW.plan_error(m, n, k, bn, stages, gps):
+                        continue
+                    cfg = dict(block_n=bn, gps=gps, stages=stages, rotate=rotate)
+
+                    def run(cfg=cfg):
+                        out = torch.empty((m, n), device=DEV, dtype=torch.float32)
+                        GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, cfg["block_n"],
+                                  cfg["stages"], cfg["gps"], cfg["rotate"])
+                        return out
+                    _sweep_one(res, cfg, run, ref)
+        _top(res, wbytes, copy_tbs, "production", n=16)
+
+
 def probe_gemm_cluster(copy_tbs: float, ms=(4, 16)) -> None:
     """The split-K decode GEMM with the splits of each tile in one thread-block cluster, reduced through distributed
     shared memory (`cluster=True`), vs the fused reduce through global memory (production): same bits for the same
@@ -2060,7 +2132,8 @@ def main() -> int:
               "gemm_gps": probe_gemm_gps, "rms_warp": probe_rms_warp, "rms_parts": probe_rms_parts, "gemm_narrow": probe_gemm_narrow, "rms_occupancy": probe_rms_occupancy,
               "gemm_floor": probe_gemm_floor, "gemm_timeline": probe_gemm_timeline, "gemm_carveout": probe_gemm_carveout, "gemm_tail": probe_gemm_tail, "gemm_nosplit": probe_gemm_nosplit, "gemm_noswap": probe_gemm_noswap,
               "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
-              "gemm_reduce_timeline": probe_gemm_reduce_timeline,
+              "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_wholek": probe_gemm_wholek,
+              "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -427,7 +427,8 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
                 log.say(f"     M={m}: FAILED {type(exc).__name__}: {exc}")
         log.best[f"gemm {n}x{k}"] = entry
         if e_ref <= 1e-2 and d and d["us"] / best["us"] > 1.03:
-            cfg = dict(dict(split_k=None, block_n=64, num_warps=4, num_stages=4, fused_reduce=False, cluster=False),
+            cfg = dict(dict(split_k=None, block_n=64, num_warps=4, num_stages=4, fused_reduce=False, cluster=False,
+                            whole_k=False),
                        **best["cfg"])
             worse = [m for m, v in entry["per_m"].items() if v["best_us"] > 1.05 * v["default_us"]]
             log.advice.append(f"engine/kernels/gemm.py DECODE_CONFIGS[({dev_name!r}, {n}, {k}, 16)] = dict("

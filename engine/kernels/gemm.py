@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import cluster as cl
+from engine.kernels import gemm_wgmma as gw
 from engine.kernels import sm_count
 from engine.kernels.cluster import arrive as cluster_arrive, load_local, store_remote, wait as cluster_wait
 from engine.kernels.quant import _round_bf16
@@ -404,7 +405,7 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # H200 sweep, benchmarks/results/h200-2026-11-29-session3/tune_gemm.txt: 26.5 us vs 27.8 us at M=1
     ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
 }
-DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster")
+DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k")
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
 # num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
 # clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
@@ -584,7 +585,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                 fused_reduce: Optional[bool] = None, round_bf16: bool = False,
-                cluster: Optional[bool] = None) -> torch.Tensor:
+                cluster: Optional[bool] = None, whole_k: Optional[bool] = None) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
@@ -599,12 +600,20 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 fused_reduce=fused_reduce, cluster=cluster)
+                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k)
     if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
+    if cfg.get("whole_k"):
+        wbn = cfg.get("block_n") or gw.BLOCK_N
+        gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
+        wstages = cfg.get("num_stages") or gw.default_stages(wbn, gps)
+        if gw.usable(x, w, wbn, wstages, gps):
+            gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, wbn, wstages, gps)
+            return out
+        cfg = dict(cfg, split_k=1)  # not here (device / layout / shape): the same math in the split-K kernel
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
     if bn not in (16, 32, 64, 128):
@@ -663,7 +672,7 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None, *,
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
                           num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
-                          cluster: Optional[bool] = None) -> torch.Tensor:
+                          cluster: Optional[bool] = None, whole_k: Optional[bool] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
@@ -676,12 +685,17 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     fewer; fused calls must run in stream order, see `_tile_counters`); ``cluster``: the splits of each
     tile run as one thread-block cluster and sum their partials through distributed shared memory
     (`_cluster_reduce`: same bits again; CUDA sm_90+ with 2 / 4 / 8 splits dividing ``block_n``, else
-    the fused reduce runs).
+    the fused reduce runs); ``whole_k`` (True, or 2 / 4 groups per pipeline stage): no split-K at all, each
+    program streams ``block_n`` (16 / 32 / 64, default 64) whole weight rows through the Gluon wgmma kernel of
+    `engine.kernels.gemm_wgmma` -- the same bits as ``split_k=1, block_n=64`` on the H200, and slower than the
+    split-K default there (opt-in; CUDA compute capability 9.0, M <= 64, K a multiple of 16 up to 16384;
+    elsewhere the split-K kernel with one split runs instead).
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster)
+                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster,
+                      whole_k=whole_k)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -1,0 +1,149 @@
+"""The whole-K Gluon wgmma decode GEMM (engine/kernels/gemm_wgmma.py, `whole_k=True`) on the GPU.
+
+Skipped without a CUDA device of compute capability 9.0 (the kernel's wgmma / TMA). Tolerances and operands
+as test_gemm_gpu.py: relative Frobenius error against the fp32 product of the dequantized operands, on data
+whose per-block magnitudes span 2**-4 .. 2**4 (a wrong scale fails by orders of magnitude).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_gemm_gpu import TOL, _block_operands, _rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs a CUDA GPU of compute capability 9.0 (wgmma)"),
+]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The GEMM module, with every launch of the whole-K kernel counted in spy.calls."""
+    from engine.kernels import gemm as G
+    from engine.kernels import gemm_wgmma as GW
+
+    real = GW.launch
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[-3:-1])  # (block_n, stages)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(GW, "launch", counted)
+    G.calls = calls
+    yield G
+    del G.calls
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("m", [1, 2, 4, 16, 33, 64])
+@pytest.mark.parametrize("nk", [(256, 512), (200, 896), (384, 1040)])  # N % block_n != 0; K % 128 != 0, odd groups
+def test_whole_k_matches_reference(spy, m, nk, block_n):
+    """Every tile size, M up to 64, partial weight tiles, K not a multiple of 128 (an odd group count: the
+    padded extra group must add nothing), bias, fp32 and bf16 output: within the FP8 tensor-core tolerance."""
+    n, k = nk
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n)
+    bias = torch.randn(n, device="cuda") * 3
+    ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    for dt in (torch.float32, torch.bfloat16):
+        out = spy.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=dt, whole_k=True, block_n=block_n)
+        assert out.shape == (m, n) and out.dtype == dt
+        err = _rel(out, ref)
+        assert err <= TOL[dt], f"M={m} N={n} K={k} block_n={block_n} {dt}: rel err {err:.3e}"
+    assert len(spy.calls) == 2 and all(c[0] == block_n for c in spy.calls)
+
+
+@pytest.mark.parametrize("m", [4, 16])
+@pytest.mark.parametrize("whole_k", [True, 4])
+def test_whole_k_same_bits_as_split_k_one(spy, m, whole_k):
+    """4096 x 14336 (112 groups, the full scale table): within tolerance, and bit-identical to the split-K Triton
+    kernel with one split -- two independent implementations of the same per-group math (the weight on the other
+    side of the wgmma, scales from a table, other pipelining) agreeing to the last bit, on every call."""
+    xd, xs, wd, ws = _block_operands(m, 4096, 14336, seed=3)
+    out = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, whole_k=whole_k)
+    ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) <= TOL[torch.float32]
+    one = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, split_k=1, block_n=64)
+    assert torch.equal(out.view(torch.int32), one.view(torch.int32))
+    again = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, whole_k=whole_k)
+    assert torch.equal(out.view(torch.int32), again.view(torch.int32))
+    from engine.kernels import gemm_wgmma as GW
+
+    gps = GW.GPS if whole_k is True else whole_k
+    assert len(spy.calls) == 2 and spy.calls[0] == (GW.BLOCK_N, GW.default_stages(GW.BLOCK_N, gps))
+
+
+def test_whole_k_special_values(spy):
+    """A zero activation row gives exact zeros; a NaN activation poisons only its own output row; +-448
+    everywhere (amax at the format max) stays accurate; rows past M are never written."""
+    m, n, k = 5, 256, 640
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=11)
+    xd, xs = xd.clone(), xs.clone()
+    xd[0] = 0
+    xs[0] = 1.0
+    xd[3, 300] = float("nan")
+    out = torch.full((m + 3, n), 7.0, device="cuda")
+    view = out[:m]  # the kernel's own bounds: rows >= M of the buffer must stay untouched
+    from engine.kernels import gemm_wgmma as GW
+
+    GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, view, False, 32, 3, 2)
+    assert torch.equal(view[0], torch.zeros_like(view[0]))
+    assert torch.isnan(view[3]).all() and torch.isfinite(view[[0, 1, 2, 4]]).all()
+    assert torch.equal(out[m:], torch.full_like(out[m:], 7.0)), "rows >= M must stay untouched"
+    good = [0, 1, 2, 4]
+    ref = spy.fp8_block_linear_reference(xd[good], xs[good], wd, ws, out_dtype=torch.float32)
+    assert _rel(view[good], ref) <= TOL[torch.float32]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sign = lambda r, c: torch.where(torch.rand(r, c, device="cuda", generator=g) < 0.5, -448.0, 448.0)
+    x448, w448 = sign(m, k).to(torch.float8_e4m3fn), sign(n, k).to(torch.float8_e4m3fn)
+    s_x, s_w = torch.rand(m, 5, device="cuda", generator=g) + 0.5, torch.rand(2, 5, device="cuda", generator=g) + 0.5
+    out = spy.fp8_block_gemm_triton(x448, s_x, w448, s_w, out_dtype=torch.float32, whole_k=True)
+    assert torch.isfinite(out).all()
+    assert _rel(out, spy.fp8_block_linear_reference(x448, s_x, w448, s_w, out_dtype=torch.float32)) <= 2e-3
+
+
+def test_whole_k_round_bf16_and_graph(spy):
+    """round_bf16 rounds the fp32 result to bf16 values in the kernel; a CUDA graph (PDL launch where enabled)
+    replays the eager bits and follows new activation values written into its static input."""
+    m, n, k = 8, 512, 2048
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=21)
+    eager = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, None, whole_k=True)
+    rounded = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, None, whole_k=True,
+                              round_bf16=True)
+    assert torch.equal(rounded, eager.to(torch.bfloat16).float())
+    x_static = xd.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        spy.fp8_block_gemm_triton(x_static, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = spy.fp8_block_gemm_triton(x_static, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int32), eager.view(torch.int32))
+    x2, _, _, _ = _block_operands(m, n, k, seed=22)
+    x_static.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = spy.fp8_block_gemm_triton(x2, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
+    assert torch.equal(out.view(torch.int32), fresh.view(torch.int32))
+    assert not torch.equal(out, eager)
+
+
+def test_whole_k_falls_back_when_rows_are_not_tma_aligned(spy):
+    """Activation rows whose stride is not a multiple of 16 bytes cannot be read by TMA: the call runs the
+    split-K kernel with one split instead (no whole-K launch), still within tolerance."""
+    m, n, k = 4, 256, 512
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=5)
+    wide = torch.zeros(m, k + 8, device="cuda", dtype=torch.float8_e4m3fn)
+    wide[:, :k] = xd
+    x_view = wide[:, :k]
+    out = spy._launch_fp8(x_view, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, None, whole_k=True)
+    assert spy.calls == []
+    ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) <= TOL[torch.float32]
