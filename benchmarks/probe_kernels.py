@@ -41,7 +41,7 @@
 * gemm_wholek / gemm_wholek_rotate (session 13): the decode GEMM with no split-K through the whole-K Gluon wgmma
   kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
   production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
-  program vs aligned.
+  program vs aligned (gemm_wholek_ws: also warp-specialized, a producer warp for the TMA loads).
 """
 
 from __future__ import annotations
@@ -1925,10 +1925,12 @@ def probe_gemm_wholek(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (71
               f"{wbytes / tg / 1e6:5.2f} TB/s (production {tg0:6.2f} us {wbytes / tg0 / 1e6:5.2f} TB/s)", flush=True)
 
 
-def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16)) -> None:
+def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16),
+                             ws_too: bool = False) -> None:
     """Session 13: the whole-K Gluon kernel with each program starting its K walk at its own chunk
     (`engine.kernels.gemm_wgmma.launch(rotate=True)`), so that the programs do not all read the same activation
-    tile at once, vs the same config walking K from 0; one call each (us)."""
+    tile at once, vs the same config walking K from 0; with ws_too also warp-specialized (a producer warp for the
+    TMA loads, `warp_spec=True`); one call each (us)."""
     from engine.kernels import gemm_wgmma as GW
 
     print(f"\n## whole-K Gluon kernel, rotated vs aligned K walk, {n}x{k} (flush {FLUSH}; one call)")
@@ -1937,15 +1939,16 @@ def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=
         res = []
         for bn in (32, 64):
             for gps, stages in ((4, 3), (4, 4), (2, 6), (2, 8)):
-                for rotate in (False, True):
+                for rotate, warp_spec in ((False, False), (True, False)) + (((False, True), (True, True)) if ws_too
+                                                                            else ()):
                     if GW.plan_error(m, n, k, bn, stages, gps):
                         continue
-                    cfg = dict(block_n=bn, gps=gps, stages=stages, rotate=rotate)
+                    cfg = dict(block_n=bn, gps=gps, stages=stages, rotate=rotate, warp_spec=warp_spec)
 
                     def run(cfg=cfg):
                         out = torch.empty((m, n), device=DEV, dtype=torch.float32)
                         GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, cfg["block_n"],
-                                  cfg["stages"], cfg["gps"], cfg["rotate"])
+                                  cfg["stages"], cfg["gps"], cfg["rotate"], cfg["warp_spec"])
                         return out
                     _sweep_one(res, cfg, run, ref)
         _top(res, wbytes, copy_tbs, "production", n=16)
@@ -2134,6 +2137,7 @@ def main() -> int:
               "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
               "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
+              "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -115,7 +115,7 @@ def _ptxas() -> str:
     return path
 
 
-def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False):
+def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, warp_spec: bool = False):
     """`_fp8_rows_gemm_kernel` compiled for sm_90 (CUDA 12.x PTX) without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -123,7 +123,8 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = GW._fp8_rows_gemm_kernel
-    consts = dict(NS=stages, GPS=gps, KB_PAD=128, HAS_BIAS=True, ROUND_BF16=True, PDL=True, ROTATE=rotate)
+    consts = dict(NS=stages, GPS=gps, KB_PAD=128, HAS_BIAS=True, ROUND_BF16=True, PDL=True, ROTATE=rotate,
+                  WS=warp_spec)
 
     def desc(rows):
         return f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)}>"
@@ -142,13 +143,14 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("block_n, stages, gps, rotate", [(16, 4, 4, False), (32, 4, 4, False), (64, 3, 4, False),
-                                                          (32, 8, 2, False), (32, 4, 4, True)])
-def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate):
+@pytest.mark.parametrize("block_n, stages, gps, rotate, warp_spec", [
+    (16, 4, 4, False, False), (32, 4, 4, False, False), (64, 3, 4, False, False), (32, 8, 2, False, False),
+    (32, 4, 4, True, False), (64, 6, 2, False, True), (32, 4, 4, True, True)])
+def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate, warp_spec):
     """ptxas reports no serialized wgmma (C7514) and no injected wait (C7517); the loop starts all of a stage's
     dots before its first wait (`wgmma.wait_group gps - 1`), and the kernel fits the shared memory the host plans
     for."""
-    kernel = _compile_sm90(block_n, stages, gps, rotate)
+    kernel = _compile_sm90(block_n, stages, gps, rotate, warp_spec)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")

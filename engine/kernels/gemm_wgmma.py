@@ -23,16 +23,20 @@ dot (`wgmma.wait_group 0`) before scaling it. Gluon lets the loop be written out
 Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group
 order: on the H200 the output is bit-identical to the split-K kernel with one split and 64-row tiles
 (``split_k=1, block_n=64``), an independent implementation of the same math (tests/test_gemm_wgmma_gpu.py).
-``launch(rotate=True)`` starts each program's K walk at its own chunk instead (a different fixed order).
+``launch(rotate=True)`` starts each program's K walk at its own chunk instead (a different fixed order);
+``launch(warp_spec=True)`` moves the TMA refills to a producer warp (`gl.warp_specialize`; same bits).
 
 Measured (H200, benchmarks/results/h200-2026-11-30-session13/): correct, but slower than the split-K default,
-so it is opt-in and no DECODE_CONFIGS entry uses it. 4096x14336, one call after a clean L2 flush: 34.3-39.4 us
-at M = 4 and 33.2-35.6 at M = 16 (best configs, 64 rows x 2-4 groups per stage) against 20.6-21.5 us for the
+so it is opt-in and no DECODE_CONFIGS entry uses it. 4096x14336, one call after a clean L2 flush: 32.8-39.4 us
+at M = 4 and 32.0-35.6 at M = 16 (best configs, 64 rows x 2-4 groups per stage) against 20.6-21.5 us for the
 split-K kernel; 28672x4096 47-51 us against 32. Under ncu, one program of one warpgroup per SM issues an
 instruction every 4.7 cycles with no other warp to switch to (1.03 active warps per scheduler). A 64-row program
 streams ~27 GB/s but N / 64 = 64 programs fill only 64 SMs; a 32-row program (128 SMs) streams ~11 GB/s, where
-3 TB/s needs ~23 GB/s on every SM. Closing that needs more warps per SM (producer / consumer warp
-specialization, or the activation tile in registers instead of 64 padded rows of shared memory) -- not built.
+3 TB/s needs ~23 GB/s on every SM. Neither 2 or 4 groups per stage, nor the rotated walk (-1 to -5 us), nor the
+producer warp (within +-0.6 us) changes that: the time follows the number of 128-groups a program walks
+(~0.3 us each), not the issue of its loads. Untested leads: the activation tile in registers instead of 64 padded
+rows of shared memory (a quarter of the tile bytes the wgmma reads and TMA writes at M <= 16), and two consumer
+warpgroups per program.
 """
 
 from __future__ import annotations
@@ -99,13 +103,68 @@ def _add(acc, d, s_smem, g, srow: gl.constexpr):
     return _settled(acc + d * s_smem.index(g).load(srow)[:, None])
 
 
+@gluon.jit
+def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr, GPS: gl.constexpr):
+    """One stage: its GPS dots (buffers b ... b + GPS - 1, groups g ... g + GPS - 1) all started, each over the
+    registers of the accumulator d0..d3 retired in the previous stage, then retired in group order with
+    wait(GPS - 1 - j) and added to acc times their scales. None stays in flight (ptxas would otherwise serialize
+    every wgmma of the kernel: C7514)."""
+    if GPS == 2:
+        t0 = _dot(x_smem, w_smem, b, d0)
+        t1 = _dot(x_smem, w_smem, b + 1, d1)
+        d0 = warpgroup_mma_wait(1, deps=(t0, ))
+        acc = _add(acc, d0, s_smem, g, srow)
+        d1 = warpgroup_mma_wait(0, deps=(t1, ))
+        acc = _add(acc, d1, s_smem, g + 1, srow)
+    else:
+        t0 = _dot(x_smem, w_smem, b, d0)
+        t1 = _dot(x_smem, w_smem, b + 1, d1)
+        t2 = _dot(x_smem, w_smem, b + 2, d2)
+        t3 = _dot(x_smem, w_smem, b + 3, d3)
+        d0 = warpgroup_mma_wait(3, deps=(t0, ))
+        acc = _add(acc, d0, s_smem, g, srow)
+        d1 = warpgroup_mma_wait(2, deps=(t1, ))
+        acc = _add(acc, d1, s_smem, g + 1, srow)
+        d2 = warpgroup_mma_wait(1, deps=(t2, ))
+        acc = _add(acc, d2, s_smem, g + 2, srow)
+        d3 = warpgroup_mma_wait(0, deps=(t3, ))
+        acc = _add(acc, d3, s_smem, g + 3, srow)
+    return acc, d0, d1, d2, d3
+
+
+@gluon.jit
+def _consume(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, ready, empty, nch, start, srow: gl.constexpr,
+             NS: gl.constexpr, GPS: gl.constexpr):
+    """Warp-specialized consumer (the default partition, one warpgroup): each stage's dots as it arrives, then the
+    stage handed back to the producer through its `empty` barrier."""
+    for i in range(0, nch):
+        st = i % NS
+        mbarrier.wait(ready.index(st), (i // NS) & 1)
+        acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
+                                     ((i + start) % nch) * GPS, srow, GPS)
+        gl.thread_barrier()  # every consumer warp is past this stage's wgmmas
+        mbarrier.arrive(empty.index(st))
+    return (acc, )
+
+
+@gluon.jit
+def _produce(x_desc, w_desc, x_smem, w_smem, ready, empty, nch, start, NS: gl.constexpr, GPS: gl.constexpr):
+    """Warp-specialized producer (one warp): stages NS, NS + 1, ... by TMA, each once the consumer has released
+    the stage's previous chunk (the first NS were requested before the partitions forked)."""
+    for i in range(NS, nch):
+        st = i % NS
+        mbarrier.wait(empty.index(st), ((i // NS) - 1) & 1)
+        _request(x_desc, w_desc, x_smem, w_smem, ready, i, start, nch, NS, GPS, True, True)
+
+
 # M, N, K and the scale strides are not value-specialized: one compiled variant per tile / pipeline / epilogue.
 @gluon.jit(do_not_specialize=["M", "N", "K", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
 def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, N, K,
                           stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                           NS: gl.constexpr, GPS: gl.constexpr, KB_PAD: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False):
-    """Grid (cdiv(N, BN),), 4 warps (one warpgroup). See the module docstring."""
+                          ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False,
+                          WS: gl.constexpr = False):
+    """Grid (cdiv(N, BN),), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring."""
     XR: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(GPS == 2 or GPS == 4, "GPS: 2 or 4 groups per stage")
@@ -117,8 +176,10 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [NS * GPS, XR, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [NS * GPS, BN, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
     # ROTATE: program p walks the chunks from p % nch on (wrapping), so that the programs do not all read the same
     # activation tile at once (a different, still fixed, summation order per program).
     start = pid % nch if ROTATE else 0
@@ -150,38 +211,22 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     d3 = gl.zeros((XR, BN), gl.float32, mma)
     gl.thread_barrier()  # the scale table is written
 
-    # Per chunk of GPS groups: one barrier wait, all GPS dots started (each over the registers of the accumulator
-    # retired in the previous chunk), then retired in group order with wait(GPS - 1 - j), and the stage refilled.
-    # No wgmma is in flight across the loop's back edge (ptxas would then serialize every wgmma: C7514).
-    for i in range(0, nch):
-        st = i % NS
-        mbarrier.wait(bars.index(st), (i // NS) & 1)
-        b = st * GPS
-        g = ((i + start) % nch) * GPS
-        if GPS == 2:
-            t0 = _dot(x_smem, w_smem, b, d0)
-            t1 = _dot(x_smem, w_smem, b + 1, d1)
-            d0 = warpgroup_mma_wait(1, deps=(t0, ))
-            acc = _add(acc, d0, s_smem, g, srow)
-            d1 = warpgroup_mma_wait(0, deps=(t1, ))
-            acc = _add(acc, d1, s_smem, g + 1, srow)
-        else:
-            t0 = _dot(x_smem, w_smem, b, d0)
-            t1 = _dot(x_smem, w_smem, b + 1, d1)
-            t2 = _dot(x_smem, w_smem, b + 2, d2)
-            t3 = _dot(x_smem, w_smem, b + 3, d3)
-            d0 = warpgroup_mma_wait(3, deps=(t0, ))
-            acc = _add(acc, d0, s_smem, g, srow)
-            d1 = warpgroup_mma_wait(2, deps=(t1, ))
-            acc = _add(acc, d1, s_smem, g + 1, srow)
-            d2 = warpgroup_mma_wait(1, deps=(t2, ))
-            acc = _add(acc, d2, s_smem, g + 2, srow)
-            d3 = warpgroup_mma_wait(0, deps=(t3, ))
-            acc = _add(acc, d3, s_smem, g + 3, srow)
-        gl.thread_barrier()  # every warp is past this chunk's wgmmas before its stage is refilled
-        _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, NS, GPS, True, True)
+    if WS:  # a producer warp refills the ring while the warpgroup computes
+        acc, = gl.warp_specialize([
+            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS)),
+            (_produce, (x_desc, w_desc, x_smem, w_smem, bars, empty, nch, start, NS, GPS)),
+        ], [1], [40])
+    else:  # one warpgroup computes each stage, then refills it
+        for i in range(0, nch):
+            st = i % NS
+            mbarrier.wait(bars.index(st), (i // NS) & 1)
+            acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
+                                         ((i + start) % nch) * GPS, srow, GPS)
+            gl.thread_barrier()  # every warp is past this stage's wgmmas before its stage is refilled
+            _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, NS, GPS, True, True)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bars.index(i))
+        mbarrier.invalidate(empty.index(i))
 
     rows = gl.arange(0, XR, layout=srow)
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
@@ -220,7 +265,7 @@ def _groups_pad(kb: int, gps: int = GPS) -> int:
 
 def smem_bytes(block_n: int, stages: int, kb: int, gps: int = GPS) -> int:
     """Shared memory of one program: the tile ring, the scale table, the barriers."""
-    return stages * gps * (XROWS + block_n) * 128 + _groups_pad(kb, gps) * XROWS * 4 + stages * 8
+    return stages * gps * (XROWS + block_n) * 128 + _groups_pad(kb, gps) * XROWS * 4 + stages * 16
 
 
 def plan_error(m: int, n: int, k: int, block_n: int, stages: int, gps: int = GPS) -> Optional[str]:
@@ -267,7 +312,7 @@ def _layout(rows: int):
 
 def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor, ws: torch.Tensor,
            ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor, round_bf16: bool,
-           block_n: int, stages: int, gps: int = GPS, rotate: bool = False) -> None:
+           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False) -> None:
     """out (M, N) = x @ w^T (+ bias; rounded to bf16 values when round_bf16) with `_fp8_rows_gemm_kernel`; the
     caller has checked `usable`. Scales as `engine.kernels.gemm._launch_fp8` (strides of x_scale (M, Kb) and
     w_scale (Nb, Kb))."""
@@ -281,5 +326,5 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
     w_desc = TensorDescriptor.from_tensor(w, [block_n, 128], _layout(block_n))
     _fp8_rows_gemm_kernel[(-(-n // block_n),)](
         x_desc, w_desc, xs, ws, out, bias if bias is not None else out, m, n, k, *xs_strides, *ws_strides,
-        NS=stages, GPS=gps, KB_PAD=_groups_pad(-(-k // 128), gps), ROTATE=rotate, HAS_BIAS=bias is not None,
-        ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
+        NS=stages, GPS=gps, KB_PAD=_groups_pad(-(-k // 128), gps), ROTATE=rotate, WS=warp_spec,
+        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
