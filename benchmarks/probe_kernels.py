@@ -1925,32 +1925,6 @@ def probe_gemm_wholek(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (71
               f"{wbytes / tg / 1e6:5.2f} TB/s (production {tg0:6.2f} us {wbytes / tg0 / 1e6:5.2f} TB/s)", flush=True)
 
 
-def probe_gemm_wholek_interleave(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16)) -> None:
-    """Session 13: the whole-K Gluon kernel with each stage's K=32 wgmma slices issued round-robin over its groups
-    (`launch(interleave=True)`: independent accumulators back to back) vs each group's 4 slices in a row; one call
-    each (us), aligned K walk, one warpgroup."""
-    from engine.kernels import gemm_wgmma as GW
-
-    print(f"\n## whole-K Gluon kernel, interleaved vs grouped K=32 slices, {n}x{k} (flush {FLUSH}; one call)")
-    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
-        _case_line(n_, k_, m, t16, t0, wbytes)
-        res = []
-        for bn in (32, 64):
-            for gps, stages in ((2, 6), (2, 8), (4, 3), (4, 4)):
-                for interleave in (False, True):
-                    if GW.plan_error(m, n, k, bn, stages, gps):
-                        continue
-                    cfg = dict(block_n=bn, gps=gps, stages=stages, interleave=interleave)
-
-                    def run(cfg=cfg):
-                        out = torch.empty((m, n), device=DEV, dtype=torch.float32)
-                        GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, cfg["block_n"],
-                                  cfg["stages"], cfg["gps"], interleave=cfg["interleave"])
-                        return out
-                    _sweep_one(res, cfg, run, ref)
-        _top(res, wbytes, copy_tbs, "production", n=16)
-
-
 def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16),
                              ws_too: bool = False) -> None:
     """Session 13: the whole-K Gluon kernel with each program starting its K walk at its own chunk
@@ -2164,7 +2138,6 @@ def main() -> int:
               "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),
-              "gemm_wholek_interleave": probe_gemm_wholek_interleave,
               "prefill": lambda _: probe_prefill()}
     parts = args.only.split(",")
     unknown = [p for p in parts if p not in probes]

@@ -151,21 +151,18 @@ def test_whole_k_falls_back_when_rows_are_not_tma_aligned(spy):
 
 @pytest.mark.parametrize("m, n, k", [(4, 4096, 14336), (16, 200, 1040), (64, 384, 512)])
 def test_warp_specialized_and_rotated_variants(spy, m, n, k):
-    """The producer-warp variant and the interleaved K=32 slices compute exactly what the single-warpgroup loop
-    does (same bits); the rotated K walk (another fixed order per program) stays within tolerance."""
+    """The producer-warp variant computes exactly what the single-warpgroup loop does (same bits); the rotated K
+    walk (another fixed order per program) stays within tolerance."""
     from engine.kernels import gemm_wgmma as GW
 
     xd, xs, wd, ws = _block_operands(m, n, k, seed=m + k)
     outs = {}
     for rotate in (False, True):
         for warp_spec in (False, True):
-            for interleave in (False, True):
-                out = torch.empty((m, n), device="cuda")
-                GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, 64, 3, 4, rotate, warp_spec,
-                          interleave)
-                outs[rotate, warp_spec, interleave] = out.view(torch.int32)
-    for rotate in (False, True):
-        for variant in ((True, False), (False, True), (True, True)):
-            assert torch.equal(outs[(rotate, False, False)], outs[(rotate, *variant)]), (rotate, variant)
+            out = torch.empty((m, n), device="cuda")
+            GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, out, False, 64, 3, 4, rotate, warp_spec)
+            outs[rotate, warp_spec] = out.view(torch.int32)
+    assert torch.equal(outs[False, False], outs[False, True])
+    assert torch.equal(outs[True, False], outs[True, True])
     ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
-    assert _rel(outs[True, True, True].view(torch.float32), ref) <= TOL[torch.float32]
+    assert _rel(outs[True, True].view(torch.float32), ref) <= TOL[torch.float32]

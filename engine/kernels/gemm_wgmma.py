@@ -33,10 +33,11 @@ split-K kernel; 28672x4096 47-51 us against 32. Under ncu, one program of one wa
 instruction every 4.7 cycles with no other warp to switch to (1.03 active warps per scheduler). A 64-row program
 streams ~27 GB/s but N / 64 = 64 programs fill only 64 SMs; a 32-row program (128 SMs) streams ~11 GB/s, where
 3 TB/s needs ~23 GB/s on every SM. Neither 2 or 4 groups per stage, nor the rotated walk (-1 to -5 us), nor the
-producer warp (within +-0.6 us) changes that: the time follows the number of 128-groups a program walks
-(~0.3 us each), not the issue of its loads. Untested leads: the activation tile in registers instead of 64 padded
-rows of shared memory (a quarter of the tile bytes the wgmma reads and TMA writes at M <= 16), and two consumer
-warpgroups per program.
+producer warp (within +-0.6 us), nor issuing the groups' K=32 wgmma slices round-robin (same bits, same time;
+measured, then removed) changes that: the time follows the number of 128-groups a program walks (~0.3 us each),
+neither the issue of its loads nor its tensor-core chains. Remaining suspects, untested: the TMA engine's per-SM
+throughput on 128-byte-wide boxes (the split-K kernel streams through cp.async instead), and the 64 padded
+activation rows each group writes to and reads from shared memory.
 """
 
 from __future__ import annotations
@@ -104,38 +105,16 @@ def _add(acc, d, s_smem, g, srow: gl.constexpr):
 
 
 @gluon.jit
-def _dot_k32(x_smem, w_smem, i, kk: gl.constexpr, over, first: gl.constexpr):
-    """Start the kk-th K=32 slice of buffer i's FP8 dot asynchronously: over `over` (retired) when first, else
-    accumulating onto the in-flight `over` of slice kk - 1 (the chain one K=128 dot issues, same additions)."""
-    return warpgroup_mma(x_smem.index(i).slice(kk * 32, 32, dim=1),
-                         w_smem.index(i).slice(kk * 32, 32, dim=1).permute((1, 0)), over, use_acc=not first,
-                         is_async=True)
-
-
-@gluon.jit
-def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr, GPS: gl.constexpr,
-           INTERLEAVE: gl.constexpr = False):
+def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr, GPS: gl.constexpr):
     """One stage: its GPS dots (buffers b ... b + GPS - 1, groups g ... g + GPS - 1) all started, each over the
     registers of the accumulator d0..d3 retired in the previous stage, then retired in group order with
     wait(GPS - 1 - j) and added to acc times their scales. None stays in flight (ptxas would otherwise serialize
     every wgmma of the kernel: C7514)."""
-    if INTERLEAVE:  # the groups' K=32 slices issued round-robin: independent accumulators back to back
-        t0 = d0
-        t1 = d1
-        t2 = d2
-        t3 = d3
-        for kk in gl.static_range(4):
-            t0 = _dot_k32(x_smem, w_smem, b, kk, t0, kk == 0)
-            t1 = _dot_k32(x_smem, w_smem, b + 1, kk, t1, kk == 0)
-            if GPS == 4:
-                t2 = _dot_k32(x_smem, w_smem, b + 2, kk, t2, kk == 0)
-                t3 = _dot_k32(x_smem, w_smem, b + 3, kk, t3, kk == 0)
-    else:
-        t0 = _dot(x_smem, w_smem, b, d0)
-        t1 = _dot(x_smem, w_smem, b + 1, d1)
-        if GPS == 4:
-            t2 = _dot(x_smem, w_smem, b + 2, d2)
-            t3 = _dot(x_smem, w_smem, b + 3, d3)
+    t0 = _dot(x_smem, w_smem, b, d0)
+    t1 = _dot(x_smem, w_smem, b + 1, d1)
+    if GPS == 4:
+        t2 = _dot(x_smem, w_smem, b + 2, d2)
+        t3 = _dot(x_smem, w_smem, b + 3, d3)
     if GPS == 2:
         d0 = warpgroup_mma_wait(1, deps=(t0, ))
         acc = _add(acc, d0, s_smem, g, srow)
@@ -155,14 +134,14 @@ def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr
 
 @gluon.jit
 def _consume(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, ready, empty, nch, start, srow: gl.constexpr,
-             NS: gl.constexpr, GPS: gl.constexpr, INTERLEAVE: gl.constexpr):
+             NS: gl.constexpr, GPS: gl.constexpr):
     """Warp-specialized consumer (the default partition, one warpgroup): each stage's dots as it arrives, then the
     stage handed back to the producer through its `empty` barrier."""
     for i in range(0, nch):
         st = i % NS
         mbarrier.wait(ready.index(st), (i // NS) & 1)
         acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                     ((i + start) % nch) * GPS, srow, GPS, INTERLEAVE)
+                                     ((i + start) % nch) * GPS, srow, GPS)
         gl.thread_barrier()  # every consumer warp is past this stage's wgmmas
         mbarrier.arrive(empty.index(st))
     return (acc, )
@@ -184,7 +163,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
                           stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                           NS: gl.constexpr, GPS: gl.constexpr, KB_PAD: gl.constexpr, HAS_BIAS: gl.constexpr,
                           ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False,
-                          WS: gl.constexpr = False, INTERLEAVE: gl.constexpr = False):
+                          WS: gl.constexpr = False):
     """Grid (cdiv(N, BN),), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring."""
     XR: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -234,8 +213,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
 
     if WS:  # a producer warp refills the ring while the warpgroup computes
         acc, = gl.warp_specialize([
-            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS,
-                        INTERLEAVE)),
+            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS)),
             (_produce, (x_desc, w_desc, x_smem, w_smem, bars, empty, nch, start, NS, GPS)),
         ], [1], [40])
     else:  # one warpgroup computes each stage, then refills it
@@ -243,7 +221,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
             st = i % NS
             mbarrier.wait(bars.index(st), (i // NS) & 1)
             acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                         ((i + start) % nch) * GPS, srow, GPS, INTERLEAVE)
+                                         ((i + start) % nch) * GPS, srow, GPS)
             gl.thread_barrier()  # every warp is past this stage's wgmmas before its stage is refilled
             _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, NS, GPS, True, True)
     for i in gl.static_range(NS):
@@ -334,8 +312,7 @@ def _layout(rows: int):
 
 def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor, ws: torch.Tensor,
            ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor, round_bf16: bool,
-           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False,
-           interleave: bool = False) -> None:
+           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False) -> None:
     """out (M, N) = x @ w^T (+ bias; rounded to bf16 values when round_bf16) with `_fp8_rows_gemm_kernel`; the
     caller has checked `usable`. Scales as `engine.kernels.gemm._launch_fp8` (strides of x_scale (M, Kb) and
     w_scale (Nb, Kb))."""
@@ -349,5 +326,5 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
     w_desc = TensorDescriptor.from_tensor(w, [block_n, 128], _layout(block_n))
     _fp8_rows_gemm_kernel[(-(-n // block_n),)](
         x_desc, w_desc, xs, ws, out, bias if bias is not None else out, m, n, k, *xs_strides, *ws_strides,
-        NS=stages, GPS=gps, KB_PAD=_groups_pad(-(-k // 128), gps), ROTATE=rotate, WS=warp_spec, INTERLEAVE=interleave,
+        NS=stages, GPS=gps, KB_PAD=_groups_pad(-(-k // 128), gps), ROTATE=rotate, WS=warp_spec,
         HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
