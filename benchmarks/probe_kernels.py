@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import DECODE_SHAPES, fingerprint, fp8_block_operands, graph_us  # noqa: E402
 from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
-from engine.kernels.gemm import _split_k_tile  # noqa: E402
+from engine.kernels.gemm import _gemv_rows, _split_k_tile  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
 from engine.kernels.quant import (_div_by_scale, _fast_domain, _group_offsets, _quant_groups,  # noqa: E402
                                   _quant_groups_fast, _rstd, _tile_rows)
@@ -1276,12 +1276,7 @@ def _gemv_m_probe_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_
     """The M = 1 GEMV (`_fp8_gemv_kernel`: CUDA cores, whole weight rows per program, no split-K) for M <= MB
     activation rows: each weight tile, once in registers, is multiplied with every activation row."""
     pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    r_ok = rows < N
-    offs = tl.arange(0, GK * 128)
-    kb = tl.cdiv(K, 128)
-    ws_row = ws_ptr + ((pid * BN) // 128) * stride_wsn
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    rows, r_ok, offs, kb, ws_row, w_rows = _gemv_rows(w_ptr, ws_ptr, pid, N, K, stride_wn, stride_wsn, BN, GK)
     mi = tl.arange(0, MB)
     acc = tl.zeros((BN, MB), dtype=tl.float32)
     for g0 in tl.range(0, kb, GK, num_stages=STAGES):

@@ -18,6 +18,7 @@ import torch
 
 from engine.kernels import gemm as G
 from engine.kernels import gemm_wgmma as GW
+from tests.test_gemm_fused_reduce import _Launch, _operands
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -51,22 +52,6 @@ def test_plan_limits():
     assert [GW._groups_pad(kb, 2) for kb in (1, 3, 33)] == [2, 4, 64]
 
 
-def _operands(m=4, n=256, k=1024):
-    x = torch.zeros(m, k).to(torch.float8_e4m3fn)
-    w = torch.zeros(n, k).to(torch.float8_e4m3fn)
-    return x, torch.ones(m, -(-k // 128)), w, torch.ones(-(-n // 128), -(-k // 128))
-
-
-class _Launch:
-    """Stands in for a Triton kernel: records the grid and meta of each launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **meta: self.calls.append((grid, meta))
-
-
 def test_whole_k_dispatch(monkeypatch):
     """whole_k=True: one whole-K launch with the default tile, stages and groups per stage, or the given ones,
     and no split-K launch; not usable here: the split-K kernel with one split (grid z = 1), no reduce."""
@@ -83,7 +68,7 @@ def test_whole_k_dispatch(monkeypatch):
     monkeypatch.setattr(GW, "usable", lambda *a: False)
     G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
     assert len(launched) == 2 and len(split.calls) == 1
-    grid, meta = split.calls[0]
+    grid, _, meta = split.calls[0]
     assert grid == (256 // 64, 1, 1) and meta["USE_PART"] is False and meta["BN"] == 64
 
 

@@ -33,9 +33,8 @@ def spy(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(GW, "launch", counted)
-    G.calls = calls
-    yield G
-    del G.calls
+    monkeypatch.setattr(G, "calls", calls, raising=False)
+    return G
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])

@@ -222,6 +222,19 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
             tl.store(cnt_ptr + tile, 0)  # ready for the next call (kernels on a stream complete in order)
 
 
+@triton.jit
+def _gemv_rows(w_ptr, ws_ptr, pid, N, K, stride_wn, stride_wsn, BN: tl.constexpr, GK: tl.constexpr):
+    """The weight rows of GEMV program pid: (row indices, rows < N, the GK * 128 K offsets of one step, the K
+    group count, the rows' weight-scale row, the rows' pointers)."""
+    rows = pid * BN + tl.arange(0, BN)
+    r_ok = rows < N
+    offs = tl.arange(0, GK * 128)
+    kb = tl.cdiv(K, 128)
+    ws_row = ws_ptr + ((pid * BN) // 128) * stride_wsn
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    return rows, r_ok, offs, kb, ws_row, w_rows
+
+
 @triton.jit(do_not_specialize=["N", "stride_xsg", "stride_wsn", "stride_wsg"])
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stride_wn, stride_xsg, stride_wsn,
                      stride_wsg, BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -241,12 +254,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stri
             if pid * BN + r < N:
                 l2_prefetch(w_ptr + (pid * BN + r).to(tl.int64) * stride_wn, PF_BYTES)
     pdl_enter(PDL)
-    rows = pid * BN + tl.arange(0, BN)
-    r_ok = rows < N
-    offs = tl.arange(0, GK * 128)
-    kb = tl.cdiv(K, 128)
-    ws_row = ws_ptr + ((pid * BN) // 128) * stride_wsn
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    rows, r_ok, offs, kb, ws_row, w_rows = _gemv_rows(w_ptr, ws_ptr, pid, N, K, stride_wn, stride_wsn, BN, GK)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for g0 in tl.range(0, kb, GK, num_stages=STAGES):
         k = g0 * 128 + offs
