@@ -19,7 +19,10 @@ bytes and the KV cache bytes of each path. transformers (bf16, eager, its own
 KV cache) runs the same shapes in the same process as the outside reference
 point. `--profile` adds each configuration's top kernels and its critical
 path (`critical_path`); `--pdl both` also times the runtime without
-programmatic dependent launch (rows tagged -nopdl).
+programmatic dependent launch (rows tagged -nopdl). `--decode-configs FILE` adds measured decode-GEMM
+configs (`DECODE_CONFIGS` entries as JSON, e.g. `probe_kernels.py --only decode_graph`'s output) for the run,
+to try them in a whole decode step before committing them; `e2e_old_split_rule.py` runs this benchmark with the
+decode-GEMM heuristic of sessions 3-13.
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """
@@ -344,7 +347,15 @@ def main() -> None:
     ap.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                     help="programmatic dependent launch of the Triton kernels (engine.kernels.pdl); 'both' also "
                          "times the paged runtime without it (rows tagged -nopdl)")
+    ap.add_argument("--decode-configs", default=None,
+                    help="a JSON file of DECODE_CONFIGS entries to add for this run (engine.kernels.gemm."
+                         "load_decode_configs; e.g. probe_kernels.py --only decode_graph's decode_graph_entries.json)")
     args = ap.parse_args()
+    added = {}
+    if args.decode_configs:
+        from engine.kernels import gemm
+
+        added = gemm.load_decode_configs(args.decode_configs)
     if args.gemv_prefetch is not None:
         from engine.kernels import gemm
 
@@ -368,6 +379,8 @@ def main() -> None:
     say(f"hardware: {json.dumps(fp)}")
     bw = copy_bandwidth()
     say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
+    for key, knobs in added.items():
+        say(f"DECODE_CONFIGS entry added from {args.decode_configs}: {key} -> {knobs}")
     say(f"model: {'Qwen3-30B-A3B' if args.moe else 'Llama-3-8B'}-shaped, {cfg.num_layers} layers, random weights")
     t0 = time.time()
     model = Transformer(cfg, random_weights(cfg))

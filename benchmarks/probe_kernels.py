@@ -47,6 +47,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -2018,6 +2020,318 @@ def production_partials(xd, xs, wd, ws, splits=4, bn=64, warps=4, stages=5):
     return part
 
 
+@triton.jit
+def _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g_lo, g_hi, K, n_ok, m_ok, stride_wsg, stride_xsg):
+    """Production's split-K loop (`_fp8_block_gemm_kernel`) over the 128-groups [g_lo, g_hi), added to acc."""
+    offs_k = tl.arange(0, 128)
+    ws_next = tl.load(ws_row + g_lo * stride_wsg, mask=g_lo < g_hi, other=0.0)
+    xs_next = tl.load(xs_rows + g_lo * stride_xsg, mask=m_ok & (g_lo < g_hi), other=0.0)
+    for g in range(g_lo, g_hi):
+        ws = ws_next
+        xs = xs_next
+        ws_next = tl.load(ws_row + (g + 1) * stride_wsg, mask=g + 1 < g_hi, other=0.0)
+        xs_next = tl.load(xs_rows + (g + 1) * stride_xsg, mask=m_ok & (g + 1 < g_hi), other=0.0)
+        k = g * 128 + offs_k
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+    return acc
+
+
+@triton.jit
+def _peek_partial(part_ptr, s, idx, mask, MN, SPLITS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """Split s's partial of the tile as int32 bits (volatile loads: from L2, re-issued on every call), or +0.0 bits
+    for a split that does not exist (s >= SPLITS - 1: the reducer's own)."""
+    if s < SPLITS - 1:
+        return tl.load(part_ptr + s * MN + idx, mask=mask, other=0.0, volatile=True).to(tl.int32, bitcast=True)
+    else:
+        return tl.zeros((BN, BM), dtype=tl.int32)
+
+
+@triton.jit
+def _any_pending(v0, v1, v2):
+    """Whether any element of the three partials' bits still reads PENDING_BITS."""
+    busy = ((v0 == PENDING_BITS) | (v1 == PENDING_BITS) | (v2 == PENDING_BITS)).to(tl.int32)
+    return tl.sum(tl.sum(busy, axis=1), axis=0) > 0
+
+
+@triton.jit
+def _early_reduce_probe_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, dbg_ptr, M, N, K, per,
+                               stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
+                               BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """Split-K with a fixed reducer and no handshake (session 14). Splits 0..S-2 of a tile walk `per` 128-groups
+    each and store their partial into a PENDING_BITS workspace (a partial that reads PENDING_BITS is stored as
+    the canonical NaN) and exit: no fence, no counter. The last split (the highest program ids, dispatched last)
+    walks the rest of K; when TAIL of its groups are left it loads the other partials (volatile), walks those
+    groups while the loads are in flight, polls again while any element still reads PENDING_BITS, sums
+    0 + p_0 + ... + p_(S-2) + its own accumulator in split order (the fused reduce's additions: the same bits for
+    the same split boundaries), writes out and restores the pattern. SPLITS <= 4. Polling passes -> dbg_ptr."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n, offs_m, n_ok, m_ok, w_rows, x_rows, ws_row, xs_rows, g0, g1 = _split_k_tile(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, per, stride_xm, stride_wn, stride_xsm,
+        stride_wsn, BM, BN)
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    mn = M.to(tl.int64) * N
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if pid_s < SPLITS - 1:
+        acc = _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g0, g1, K, n_ok, m_ok, stride_wsg, stride_xsg)
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == PENDING_BITS, CANONICAL_NAN_BITS, bits)
+        tl.store(part_ptr + pid_s * mn + idx, bits.to(tl.float32, bitcast=True), mask=mask)
+    else:
+        g_end = tl.cdiv(K, 128)
+        g_mid = tl.maximum(g_end - TAIL, g0)
+        acc = _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g0, g_mid, K, n_ok, m_ok, stride_wsg, stride_xsg)
+        v0 = _peek_partial(part_ptr, 0, idx, mask, mn, SPLITS, BN, BM)
+        v1 = _peek_partial(part_ptr, 1, idx, mask, mn, SPLITS, BN, BM)
+        v2 = _peek_partial(part_ptr, 2, idx, mask, mn, SPLITS, BN, BM)
+        acc = _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g_mid, g_end, K, n_ok, m_ok, stride_wsg,
+                            stride_xsg)
+        passes = 1
+        pending = _any_pending(v0, v1, v2)
+        while pending:
+            passes += 1
+            v0 = _peek_partial(part_ptr, 0, idx, mask, mn, SPLITS, BN, BM)
+            v1 = _peek_partial(part_ptr, 1, idx, mask, mn, SPLITS, BN, BM)
+            v2 = _peek_partial(part_ptr, 2, idx, mask, mn, SPLITS, BN, BM)
+            pending = _any_pending(v0, v1, v2)
+        tot = tl.zeros((BN, BM), dtype=tl.float32) + v0.to(tl.float32, bitcast=True)
+        if SPLITS > 2:
+            tot += v1.to(tl.float32, bitcast=True)
+        if SPLITS > 3:
+            tot += v2.to(tl.float32, bitcast=True)
+        tot += acc
+        tl.store(out_ptr + idx, tot, mask=mask)
+        pattern = tl.full((BN, BM), PENDING_BITS, tl.int32).to(tl.float32, bitcast=True)
+        for s in tl.static_range(SPLITS - 1):
+            tl.store(part_ptr + s * mn + idx, pattern, mask=mask)
+        tl.store(dbg_ptr + pid_m * tl.num_programs(0) + pid_n, passes)
+
+
+def early_gemm(xd, xs, wd, ws, bn=64, splits=4, per=None, tail=0, warps=4, stages=5, dbg=None, pdl=True):
+    """`_early_reduce_probe_kernel` (fp32 out): splits 0..S-2 walk `per` groups each (default: an even split),
+    the reducer split the rest; dbg: an int32 tensor of >= tiles elements for the polling passes."""
+    from engine.kernels.pdl import launch_opts
+
+    m, k = xd.shape
+    n = wd.shape[0]
+    kb = -(-k // 128)
+    per = per or -(-kb // splits)
+    if not 2 <= splits <= 4 or kb - (splits - 1) * per < 1:
+        raise ValueError(f"splits={splits}, per={per}: 2..4 splits and a non-empty reducer split over {kb} groups")
+    bm = max(16, triton.next_power_of_2(m))
+    out = torch.empty((m, n), device=xd.device, dtype=torch.float32)
+    part = _pending_workspace(splits * m * n)
+    grid = (-(-n // bn), -(-m // bm), splits)
+    dbg = dbg if dbg is not None else torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=xd.device)
+    opts = launch_opts(xd) if pdl else {"PDL": False}
+    _early_reduce_probe_kernel[grid](xd, xs, wd, ws, out, part, dbg, m, n, k, per, xd.stride(0), wd.stride(0),
+                                     xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), BM=bm, BN=bn,
+                                     SPLITS=splits, TAIL=tail, num_warps=warps, num_stages=stages, **opts)
+    return out
+
+
+def probe_gemm_early(copy_tbs: float, ms=(4, 16)) -> None:
+    """4096x14336 at M = 4 / 16, one call each: split-K with a fixed reducer and no handshake
+    (`_early_reduce_probe_kernel`: the other splits walk fewer groups, store and exit; the reducer loads their
+    partials while it walks its last TAIL groups) vs production and vs its loop alone (partials only)."""
+    from engine.kernels import gemm as G
+
+    n, k = 4096, 14336
+    print(f"\n## split-K with a fixed reducer, no handshake, {n}x{k} (flush {FLUSH}; production: 4 splits x 28 "
+          f"groups, BN 64, 4 warps, 5 stages)")
+    for n_, k_, m, (xd, xs, wd, ws), wbytes, t16, t0, ref in _small_m_cases([(n, k)], ms):
+        _case_line(n_, k_, m, t16, t0, wbytes)
+        dbg = torch.zeros(n // 64, dtype=torch.int32, device=DEV)
+        runs = [("production (fused reduce)", lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32),
+                 None),
+                ("split-K loop alone, partials", lambda: production_partials(xd, xs, wd, ws), None)]
+        for per in (28, 27, 26, 25):
+            for tail in (0, 2, 4, 8):
+                for stages in (5,) if (per, tail) != (27, 2) else (4, 5, 6):
+                    runs.append((f"early per={per} tail={tail} stages={stages}",
+                                 lambda per=per, tail=tail, stages=stages: early_gemm(
+                                     xd, xs, wd, ws, per=per, tail=tail, stages=stages, dbg=dbg), per))
+        runs.append(("production again", runs[0][1], None))
+        for name, fn, per in runs:
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                print(f"    {name:36} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
+                continue
+            got = out.sum(0) if out.dim() == 3 else out
+            err = (got - ref).abs().max().item() / ref.abs().max().item()
+            same = torch.equal(got, ref) if out.dim() == 2 else None
+            dbg.zero_()
+            ts = sorted(time_us(fn, reps=30) for _ in range(3))
+            polls = ""
+            if per is not None:
+                d = dbg.float()
+                polls = f" polls mean {float(d.mean()):.2f} max {int(d.max())}"
+            print(f"    {name:36} {ts[1]:6.2f} us (of 3 runs: {ts[0]:.2f}-{ts[2]:.2f}) {wbytes / ts[1] / 1e6:5.2f} TB/s "
+                  f"{t16 / ts[1]:4.2f}x bf16 err {err:.1e}{'' if same is None else (' bits = production' if same else ' bits differ')}"
+                  f"{polls}", flush=True)
+        print(f"    graph, 64 back to back: production {graph_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)):.2f} us, "
+              f"early per=27 tail=2 {graph_us(lambda: early_gemm(xd, xs, wd, ws, per=27, tail=2, dbg=dbg)):.2f} us",
+              flush=True)
+
+
+LLAMA_DECODE_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # QKV, O, gate+up, down
+
+
+def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) -> None:
+    """The Llama-3-8B decode GEMMs at the batch sizes of the e2e benchmark above 1 (M = 8 -> BM 16, M = 64 -> BM
+    64), timed as a decode step runs them: per call in a CUDA graph of 64 back-to-back calls rotating through
+    copies of the weight (>= 150 MB, so no call finds its weight in L2), bf16 output, PDL as in production. The
+    production split-K kernel over block_n, splits, warps and stages (and at M = 64 the whole-K kernel) vs the
+    default dispatch and bf16 cuBLAS; prints `DECODE_CONFIGS` entries for the winners."""
+    import torch.nn.functional as F
+
+    from engine.kernels import gemm as G
+
+    print("\n## Llama-3-8B decode GEMMs in a CUDA graph (64 calls over weight copies), M = "
+          f"{ms}: production kernel knobs (us per call, TB/s of weight bytes)")
+    bf = torch.bfloat16
+    entries = []
+    for n, k in shapes:
+        copies = max(3, -(-150_000_000 // (n * k)))
+        wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(copies)]
+        w16 = [torch.randn(n, k, device=DEV, dtype=bf) for _ in range(max(2, -(-150_000_000 // (2 * n * k))))]
+        wbytes = n * k + wts[0][1].numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            x16 = torch.randn(m, k, device=DEV, dtype=bf)
+            bm = max(16, triton.next_power_of_2(m))
+            ref = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=torch.float32)
+            t16 = graph_us([lambda w=w: F.linear(x16, w) for w in w16])
+            t0 = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+            print(f"  {n}x{k} M={m} (BM {bm}): bf16 cuBLAS {t16:6.2f} us; default {t0:6.2f} us "
+                  f"{wbytes / t0 / 1e6:5.2f} TB/s {t16 / t0:4.2f}x bf16", flush=True)
+            cfgs = []
+            for bn in (32, 64, 128):
+                for split in (1, 2, 4, 8):
+                    progs = -(-n // bn) * split
+                    if progs < 64 or progs > 2048:
+                        continue
+                    for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4)):
+                        if bn == 128 and stages > 4 or bn == 32 and warps == 8:
+                            continue
+                        cfgs.append(dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages,
+                                         fused_reduce=True))
+            if m > 16:
+                cfgs += [dict(whole_k=gps, block_n=bn) for bn in (32, 64) for gps in (2, 4)]
+            res = []
+            for cfg in cfgs:
+                try:
+                    out = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, **cfg)
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    if not err <= 5e-3:
+                        print(f"    {cfg} WRONG: rel err {err:.1e}")
+                        continue
+                    t = graph_us([lambda w=w, cfg=cfg: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
+                                  for w in wts])
+                except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                    if "out of resource" not in str(exc):
+                        print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+                    continue
+                res.append((t, cfg, err))
+            res.sort(key=lambda r: r[0])
+            for t, cfg, err in res[:6]:
+                print(f"      {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s ({100 * wbytes / t / 1e6 / copy_tbs:.0f}% copy) "
+                      f"{t16 / t:4.2f}x bf16 {cfg} rel err vs default {err:.1e}", flush=True)
+            if res and res[0][0] < 0.97 * t0:
+                print(f"    entry: (\"{torch.cuda.get_device_name()}\", {n}, {k}, {bm}): dict("
+                      + ", ".join(f"{a}={v}" for a, v in res[0][1].items()) + f"),  # {res[0][0]:.2f} vs {t0:.2f} us",
+                      flush=True)
+                entries.append(dict(device=torch.cuda.get_device_name(), n=n, k=k, bm=bm, knobs=res[0][1]))
+        del wts, w16
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"], "decode_graph_entries.json")
+        path.write_text(json.dumps(entries, indent=1))
+        print(f"  {len(entries)} entries -> {path} (benchmarks/bench_e2e.py --decode-configs)", flush=True)
+
+
+def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
+    """Split count vs tile rows (BM 16 / 32 / 64) over a grid of decode shapes, as a decode step runs them (CUDA graph
+    of 64 calls over >= 150 MB of weight copies, bf16 out): the split-K kernel with the heuristic's tiles, warps and
+    stages and 1 / 2 / 4 / 8 / 16 splits, the heuristic's own choice, and the whole-K kernel (64 / 32 rows, 2 / 4
+    groups per stage) -- the data for the heuristic's split rule (`_split_k`)."""
+    from engine.kernels import gemm as G
+    from engine.kernels import gemm_wgmma as GW
+
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"\n## split rule: us per call in a CUDA graph (64 calls over weight copies), {sms} SMs")
+    for n in (2048, 4096, 6144, 8192, 14336, 28672):
+        for k in (2048, 4096, 7168, 14336):
+            if n * k > 120_000_000:
+                continue
+            copies = max(3, -(-150_000_000 // (n * k)))
+            wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(copies)]
+            wbytes = n * k
+            for m in ms:
+                xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+                bm, bn, _, _ = G._tiles(m)
+                steps = -(-k // 128)
+                heur = G._plan_split(m, n, steps, bm, bn, xd.device, None)[0]
+                row = []
+                for split in (1, 2, 4, 8, 16):
+                    if steps // split < 2:
+                        continue
+                    t = graph_us([lambda w=w, split=split: G.fp8_block_gemm_triton(
+                        xd, xs, *w, out_dtype=bf, split_k=split) for w in wts])
+                    row.append((t, f"s{split}"))
+                for wbn in (32, 64):
+                    for gps in (2, 4):
+                        if GW.plan_error(m, n, k, wbn, GW.default_stages(wbn, gps), gps) is None:
+                            t = graph_us([lambda w=w, wbn=wbn, gps=gps: G.fp8_block_gemm_triton(
+                                xd, xs, *w, out_dtype=bf, whole_k=gps, block_n=wbn) for w in wts])
+                            row.append((t, f"wk{wbn}x{gps}"))
+                best = min(row)
+                th = next(t for t, name in row if name == f"s{heur}")
+                cells = " ".join(f"{name}={t:6.2f}" for t, name in row)
+                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:6.2f} us ({wbytes / th / 1e6:4.2f} TB/s), "
+                      f"best {best[1]} {best[0]:6.2f} us ({wbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+            del wts
+
+
+def probe_split_ab(copy_tbs: float, shapes=((7168, 16384), (6144, 14336)), ms=(4, 16), splits=(2, 4)) -> None:
+    """Split counts A/B on long-K shapes near one tile per SM (BM 16): one call after a clean flush and per call in a
+    CUDA graph over weight copies, each measured three times alternating between the split counts (medians)."""
+    import statistics
+
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    print(f"\n## split A/B at BM 16 (flush {FLUSH}): one call / CUDA graph, us (TB/s of weight bytes)")
+    for n, k in shapes:
+        wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(max(3, -(-150_000_000 // (n * k))))]
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            heur = G._plan_split(m, n, -(-k // 128), 16, 64, xd.device, None)[0]
+            one = {s: [] for s in splits}
+            graph = {s: [] for s in splits}
+            for _ in range(3):
+                for s_ in splits:
+                    one[s_].append(time_us(lambda s_=s_: G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=bf,
+                                                                                   split_k=s_), reps=30))
+                    graph[s_].append(graph_us([lambda w=w, s_=s_: G.fp8_block_gemm_triton(
+                        xd, xs, *w, out_dtype=bf, split_k=s_) for w in wts]))
+            cells = "  ".join(f"s{s_}{'*' if s_ == heur else ''}: {statistics.median(one[s_]):6.2f} "
+                              f"({n * k / statistics.median(one[s_]) / 1e6:4.2f}) / "
+                              f"{statistics.median(graph[s_]):6.2f} ({n * k / statistics.median(graph[s_]) / 1e6:4.2f})"
+                              for s_ in splits)
+            print(f"  {n}x{k} M={m}: {cells}", flush=True)
+        del wts
+
+
 def probe_gemm_reduce_timeline(copy_tbs: float, ms=(4, 16)) -> None:
     """Where the ~1.8 us of the split-K reduce go (4096x14336, 4 splits, BN 64, 5 stages): `_gps_probe_kernel` with
     its partials only (mode 4) and with production's fused reduce (mode 1), per-program %globaltimer at start, after
@@ -2130,7 +2444,9 @@ def main() -> int:
               "gemm_gps": probe_gemm_gps, "rms_warp": probe_rms_warp, "rms_parts": probe_rms_parts, "gemm_narrow": probe_gemm_narrow, "rms_occupancy": probe_rms_occupancy,
               "gemm_floor": probe_gemm_floor, "gemm_timeline": probe_gemm_timeline, "gemm_carveout": probe_gemm_carveout, "gemm_tail": probe_gemm_tail, "gemm_nosplit": probe_gemm_nosplit, "gemm_noswap": probe_gemm_noswap,
               "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
-              "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_wholek": probe_gemm_wholek,
+              "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_early": probe_gemm_early,
+              "decode_graph": probe_decode_graph, "split_rule": probe_split_rule,
+              "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),
               "prefill": lambda _: probe_prefill()}

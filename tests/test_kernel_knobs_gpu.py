@@ -293,6 +293,33 @@ def test_decode_configs_entry_is_dispatched(monkeypatch):
     assert _rel(default, tuned) < GEMM_TOL
 
 
+def _measured_entries():
+    """The DECODE_CONFIGS entries measured on this GPU ([] without CUDA: collection must not touch a device)."""
+    from engine.kernels import gemm as G
+
+    if not torch.cuda.is_available():
+        return []
+    name = G._device_name("cuda", torch.cuda.current_device())
+    return sorted(key for key in G.DECODE_CONFIGS if key[0] == name)
+
+
+@pytest.mark.parametrize("key", _measured_entries())
+def test_measured_decode_configs_entry_on_its_shape(key):
+    """Each committed entry for this GPU, on its real (N, K), at the largest and a small M of its tile: within the
+    GEMM tolerance of the fp32 reference, and the dispatch's bits equal the explicit knobs' (whole-K entries
+    included)."""
+    from engine.kernels import gemm as G
+
+    _, n, k, bm = key
+    for m in sorted({bm, bm // 2 + 1}):
+        xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n)
+        got = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert torch.isfinite(got).all() and _rel(got, ref) < GEMM_TOL, (key, m)
+        explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **G.DECODE_CONFIGS[key])
+        assert torch.equal(got, explicit), (key, m)
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _cache(page: int, lens: list[int], seed: int):
     """An FP8 paged cache (2 KV heads, d 128) holding random sequences of the given lengths."""

@@ -412,8 +412,37 @@ _fp8_block_gemm_tuned = triton.autotune(
 DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # H200 sweep, benchmarks/results/h200-2026-11-29-session3/tune_gemm.txt: 26.5 us vs 27.8 us at M=1
     ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
+    # Llama-3-8B decode at batch 8 / 64, swept as a decode step runs them (CUDA graph of 64 calls over weight copies,
+    # benchmarks/results/h200-2026-11-30-session14/probe_decode_graph.txt; us per call, entry vs heuristic). The
+    # attention shapes at BM 16 want 4 splits, not the heuristic's 8 (9.8 vs 12.8 us and 7.7 vs 11.0 us):
+    ("NVIDIA H200", 6144, 4096, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    ("NVIDIA H200", 4096, 4096, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
+    # At BM 64 split-K partials cost up to a quarter of the weight's bytes (splits x 64 rows x N x 4 B, written and
+    # read back) and the whole-K kernel's 64 activation rows are all real: it wins where N is small. 28672x4096
+    # takes 128-row tiles and no split. Batch-64 runtime step 6.00 -> 4.71 ms with these six entries
+    # (e2e_base/ vs e2e_cfg/ in the same folder).
+    ("NVIDIA H200", 6144, 4096, 64): dict(whole_k=4, block_n=64),  # 11.4 vs 21.0
+    ("NVIDIA H200", 4096, 4096, 64): dict(whole_k=4, block_n=64),  # 9.7 vs 18.6
+    ("NVIDIA H200", 28672, 4096, 64): dict(split_k=1, block_n=128, num_warps=4, num_stages=3,
+                                           fused_reduce=True),  # 39.4 vs 48.2
+    ("NVIDIA H200", 4096, 14336, 64): dict(whole_k=2, block_n=32),  # 25.3 vs 34.5
+    # The split rule (SPLIT_FILL) gives this issue shape 2 splits: one call 35.1 / 35.4 us at M = 4 / 16 but 2.59 /
+    # 2.62 TB/s in a CUDA graph (bench_gemm_split_rule.txt); the old rule's 4 splits with 4 stages, pinned here,
+    # measured 34.9 / 35.2 us and 2.95 / 2.89 TB/s (h200-2026-11-29-session11/bench_gemm.txt).
+    ("NVIDIA H200", 7168, 16384, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k")
+# The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/
+# probe_split_rule.txt: 21 shapes N 2048-28672 x K 2048-14336 at M = 12 / 24 / 48, each call timed as a decode step
+# runs it, in a CUDA graph over weight copies). K splits until the programs about fill the SMs (SPLIT_FILL per SM;
+# the rule before asked for 2 per SM: its splits' partials and reduces cost more than the extra programs gained):
+# geometric mean 1.05x the best split count at BM 16 and 32, against 1.12x / 1.20x before. At BM 64 (M 33-64) the
+# whole-K kernel instead (64-row tiles from N = 4096, 32 below; 4 groups per stage): 1.04x the best of every
+# variant tried, against 1.44x for the old split rule (up to 2x slower). Off the sm_90 whole-K kernel (other GPUs,
+# rows TMA cannot read) BM 64 takes the split rule.
+SPLIT_FILL = 0.9
+WHOLE_K_AT_BM64 = True
+MX_SPLIT_FILL = 2.0  # the MX kernel (dequantize in the loop, more work per byte) keeps the rule it was measured with
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
 # num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
 # clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
@@ -444,21 +473,22 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
-def _split_k(tiles: int, steps: int, sms: int) -> int:
-    """K splits: the smallest power of two that gives >= 2 programs per SM, keeping >= 4 K steps
+def _split_k(tiles: int, steps: int, sms: int, fill: float = 2.0) -> int:
+    """K splits: the smallest power of two that gives >= fill programs per SM, keeping >= 4 K steps
     per split and at most 16 splits (a deterministic function of the shape and the SM count)."""
     s = 1
-    while tiles * s < 2 * sms and steps // (2 * s) >= 4 and s < 16:
+    while tiles * s < fill * sms and steps // (2 * s) >= 4 and s < 16:
         s *= 2
     return s
 
 
 def _plan_split(m: int, n: int, steps: int, bm: int, bn: int, device: torch.device,
-                split_k: Optional[int]) -> tuple[int, int]:
-    """(splits, K steps per split), with no empty split."""
+                split_k: Optional[int], fill: Optional[float] = None) -> tuple[int, int]:
+    """(splits, K steps per split), with no empty split; `fill` programs per SM for the heuristic (default
+    `SPLIT_FILL`, the FP8 decode kernel's)."""
     if split_k is None:
         tiles = _cdiv(n, bn) * _cdiv(m, bm)
-        split_k = _split_k(tiles, steps, sm_count(device)) if m <= 64 else 1
+        split_k = _split_k(tiles, steps, sm_count(device), SPLIT_FILL if fill is None else fill) if m <= 64 else 1
     per = _cdiv(steps, max(1, min(split_k, steps)))
     return _cdiv(steps, per), per
 
@@ -539,6 +569,51 @@ def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str,
     return dict(DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {}))
 
 
+def load_decode_configs(path: str, apply: bool = True) -> dict[tuple[str, int, int, int], dict[str, Any]]:
+    """`DECODE_CONFIGS` entries from a JSON file -- a list of {"device", "n", "k", "bm", "knobs"} objects, as
+    `benchmarks/probe_kernels.py --only decode_graph` writes them -- validated, and added to (or replacing entries
+    of) `DECODE_CONFIGS` when apply. For trying measured configs in a whole decode step before pasting them into
+    the table; returns the entries read."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+    except OSError as exc:
+        raise _bad(f"decode configs {path}: cannot read it ({exc.strerror or exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise _bad(f"decode configs {path}: not JSON (line {exc.lineno}: {exc.msg})") from exc
+    if not isinstance(rows, list):
+        raise _bad(f"decode configs {path}: expected a JSON list of entries, got {type(rows).__name__}")
+    out: dict[tuple[str, int, int, int], dict[str, Any]] = {}
+    for i, row in enumerate(rows):
+        where = f"decode configs {path}, entry {i}"
+        if not isinstance(row, dict) or set(row) != {"device", "n", "k", "bm", "knobs"}:
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise _bad(f"{where}: expected the keys device, n, k, bm, knobs; got {got}")
+        if not isinstance(row["device"], str) or not all(isinstance(row[a], int) and row[a] > 0 for a in "nk"):
+            raise _bad(f"{where}: device must be a GPU name string, n and k positive integers")
+        if row["bm"] not in (16, 32, 64):
+            raise _bad(f"{where}: bm={row['bm']!r}; decode tiles have BM 16, 32 or 64 (see _tiles)")
+        knobs = row["knobs"]
+        bad = sorted(set(knobs) - set(DECODE_KNOBS)) if isinstance(knobs, dict) else ["<not an object>"]
+        if bad or not knobs:
+            raise _bad(f"{where}: unknown knob(s) {bad or '(none given)'}; use {', '.join(DECODE_KNOBS)}")
+        out[(row["device"], row["n"], row["k"], row["bm"])] = dict(knobs)
+    if apply:
+        DECODE_CONFIGS.update(out)
+    return out
+
+
+def _heuristic_whole_k(m: int, n: int, device: torch.device) -> dict[str, Any]:
+    """The whole-K knobs the heuristic picks for a call without knobs or entry: 33-64 rows (tile BM 64) on CUDA
+    while `WHOLE_K_AT_BM64`, 64-row weight tiles from N = 4096 and 32 below, 4 groups per stage (see SPLIT_FILL);
+    else {}. Where the kernel cannot run, the caller takes the split rule instead."""
+    if WHOLE_K_AT_BM64 and device.type == "cuda" and 1 <= m <= 64 and _tiles(m)[0] == 64:
+        return dict(whole_k=4, block_n=64 if n >= 4096 else 32)
+    return {}
+
+
 def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
                  round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
@@ -614,6 +689,9 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
+    auto_whole_k = not cfg and bool(_heuristic_whole_k(m, n, x.device))
+    if auto_whole_k:
+        cfg = _heuristic_whole_k(m, n, x.device)
     if cfg.get("whole_k"):
         wbn = cfg.get("block_n") or gw.BLOCK_N
         gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
@@ -621,7 +699,9 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         if gw.usable(x, w, wbn, wstages, gps):
             gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, wbn, wstages, gps)
             return out
-        cfg = dict(cfg, split_k=1)  # not here (device / layout / shape): the same math in the split-K kernel
+        # not here (device / layout / shape): the heuristic's split-K call, or for an explicit whole_k the same
+        # math in the split-K kernel (one split: the same bits on the H200)
+        cfg = {} if auto_whole_k else dict(cfg, split_k=1)
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
     if bn not in (16, 32, 64, 128):
@@ -695,9 +775,10 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     (`_cluster_reduce`: same bits again; CUDA sm_90+ with 2 / 4 / 8 splits dividing ``block_n``, else
     the fused reduce runs); ``whole_k`` (True, or 2 / 4 groups per pipeline stage): no split-K at all, each
     program streams ``block_n`` (16 / 32 / 64, default 64) whole weight rows through the Gluon wgmma kernel of
-    `engine.kernels.gemm_wgmma` -- the same bits as ``split_k=1, block_n=64`` on the H200, and slower than the
-    split-K default there (opt-in; CUDA compute capability 9.0, M <= 64, K a multiple of 16 up to 16384;
-    elsewhere the split-K kernel with one split runs instead).
+    `engine.kernels.gemm_wgmma` -- the same bits as ``split_k=1, block_n=64`` on the H200 (CUDA compute
+    capability 9.0, M <= 64, K a multiple of 16 up to 16384; elsewhere the split-K kernel with one split runs
+    instead). Without knobs or an entry, calls with 33-64 rows take it on the H200 (`WHOLE_K_AT_BM64`); at
+    M <= 32 it is slower than split-K there, and opt-in.
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
@@ -1051,7 +1132,7 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
     if m > 64:
         bm, bn = 128, 64  # a (64, 128) bf16 MMA tile keeps the dequantized operands in registers
     n_chunks = w.data.shape[1] * (2 if w.is_fp4 else 1) // MX_CHUNK
-    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k)
+    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k, MX_SPLIT_FILL)
     part = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else out
     ts = w.tensor_scale
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)

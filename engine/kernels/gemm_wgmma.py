@@ -26,8 +26,13 @@ order: on the H200 the output is bit-identical to the split-K kernel with one sp
 ``launch(rotate=True)`` starts each program's K walk at its own chunk instead (a different fixed order);
 ``launch(warp_spec=True)`` moves the TMA refills to a producer warp (`gl.warp_specialize`; same bits).
 
-Measured (H200, benchmarks/results/h200-2026-11-30-session13/): correct, but slower than the split-K default,
-so it is opt-in and no DECODE_CONFIGS entry uses it. 4096x14336, one call after a clean L2 flush: 32.8-39.4 us
+Where it runs: the decode GEMMs with 33-64 rows (tile BM 64) by default on the H200 (`gemm.WHOLE_K_AT_BM64`),
+where its 64 activation rows are all real and split-K's partials cost up to a quarter of the weight's bytes:
+1.04x the best of every variant tried over 21 shapes in CUDA graphs, against 1.44x for the split rule; Llama-3-8B
+batch-64 decode step 6.00 -> 4.71 ms (benchmarks/results/h200-2026-11-30-session14/). At M <= 32 it is opt-in.
+
+Measured at M = 4 / 16 (H200, benchmarks/results/h200-2026-11-30-session13/): correct, but slower than the
+split-K default. 4096x14336, one call after a clean L2 flush: 32.8-39.4 us
 at M = 4 and 32.0-35.6 at M = 16 (best configs, 64 rows x 2-4 groups per stage) against 20.6-21.5 us for the
 split-K kernel; 28672x4096 47-51 us against 32. Under ncu, one program of one warpgroup per SM issues an
 instruction every 4.7 cycles with no other warp to switch to (1.03 active warps per scheduler). A 64-row program

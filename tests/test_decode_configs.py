@@ -1,0 +1,151 @@
+"""The measured decode-GEMM configs (`engine.kernels.gemm.DECODE_CONFIGS`) without a GPU: every entry is one the
+kernels accept, the dispatch runs what an entry says, and entries loaded from a JSON file (the tuning probe's
+output, `benchmarks/bench_e2e.py --decode-configs`) are validated with errors naming the file and entry.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.kernels import gemm as G
+from engine.kernels import gemm_wgmma as GW
+from tests.test_gemm_fused_reduce import _Launch, _operands
+
+
+@pytest.mark.parametrize("key", sorted(G.DECODE_CONFIGS))
+def test_every_table_entry_is_runnable(key):
+    """Only known knobs; a whole-K entry plans for the largest M of its tile (BM rows) with its default stages; a
+    split-K entry's block_n divides the 128-row scale blocks and its split count leaves no split empty."""
+    _, n, k, bm = key
+    knobs = G.DECODE_CONFIGS[key]
+    assert set(knobs) <= set(G.DECODE_KNOBS)
+    bn = knobs.get("block_n") or G._tiles(bm)[1]
+    if knobs.get("whole_k"):
+        gps = knobs["whole_k"] if knobs["whole_k"] in (2, 4) else GW.GPS
+        stages = knobs.get("num_stages") or GW.default_stages(bn, gps)
+        assert GW.plan_error(bm, n, k, bn, stages, gps) is None
+    else:
+        assert bn in (16, 32, 64, 128) and knobs["split_k"] >= 1
+        splits, per = G._plan_split(bm, n, -(-k // 128), bm, bn, torch.device("cpu"), knobs["split_k"])
+        assert splits == knobs["split_k"] and (splits - 1) * per < -(-k // 128)
+
+
+def _h200(monkeypatch):
+    """Dispatch as if the tensors lived on the H200 the table was measured on."""
+    monkeypatch.setattr(G, "_device_name", lambda *a: "NVIDIA H200")
+
+
+def test_batch64_entries_dispatch(monkeypatch):
+    """M = 40 (tile BM 64) on the Llama-3-8B shapes: 4096x4096 runs the whole-K kernel with 64 rows x 4 groups per
+    stage, 28672x4096 one split of 128-row tiles; M = 8 (BM 16) on 4096x4096 four splits of 64 rows, fused reduce."""
+    _h200(monkeypatch)
+    launched = []
+    monkeypatch.setattr(GW, "usable", lambda *a: True)
+    monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
+    x, xs, w, ws = _operands(m=40, n=4096, k=4096)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    assert launched == [(64, GW.default_stages(64, 4), 4)]
+
+    split = _Launch()
+    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    x, xs, w, ws = _operands(m=40, n=28672, k=4096)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    grid, _, meta = split.calls[-1]
+    assert grid == (28672 // 128, 1, 1) and meta["BN"] == 128 and meta["num_stages"] == 3
+    x, xs, w, ws = _operands(m=8, n=4096, k=4096)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    grid, _, meta = split.calls[-1]
+    assert grid == (4096 // 64, 1, 4) and meta["BN"] == 64 and meta["num_stages"] == 4 and meta["FUSED_REDUCE"] is True
+    assert len(launched) == 1
+
+
+def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
+    """A file's entries are added to DECODE_CONFIGS (replacing a measured one with the same key) and returned."""
+    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    rows = [dict(device="NVIDIA H200", n=4096, k=4096, bm=64, knobs=dict(split_k=2, block_n=64, num_warps=8)),
+            dict(device="Other GPU", n=512, k=1024, bm=16, knobs=dict(whole_k=2))]
+    path = tmp_path / "entries.json"
+    path.write_text(json.dumps(rows))
+    got = G.load_decode_configs(str(path))
+    assert got == {("NVIDIA H200", 4096, 4096, 64): dict(split_k=2, block_n=64, num_warps=8),
+                   ("Other GPU", 512, 1024, 16): dict(whole_k=2)}
+    assert G.DECODE_CONFIGS[("NVIDIA H200", 4096, 4096, 64)] == dict(split_k=2, block_n=64, num_warps=8)
+    assert G.load_decode_configs(str(path), apply=False) == got
+    _h200(monkeypatch)
+    assert G._decode_knobs(33, 4096, 4096, torch.device("cpu"), {}) == dict(split_k=2, block_n=64, num_warps=8)
+    assert G._decode_knobs(33, 4096, 4096, torch.device("cpu"), dict(split_k=1)) == dict(split_k=1)
+
+
+@pytest.mark.parametrize("text, needle", [
+    (None, "cannot read"),
+    ("[{", "not JSON"),
+    ('{"n": 1}', "JSON list"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16}]', "entry 0: expected the keys"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {}, "x": 1}]', "entry 0: expected the keys"),
+    ('[{"device": "g", "n": -1, "k": 2, "bm": 16, "knobs": {"split_k": 2}}]', "positive integers"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 48, "knobs": {"split_k": 2}}]', "bm=48"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"split_k": 2}}, '
+     '{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"splitk": 2}}]', "entry 1: unknown knob(s) ['splitk']"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {}}]', "(none given)"),
+])
+def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle):
+    """Each malformed file is refused with its path and what is wrong (entry index, key, value); nothing of it is
+    applied."""
+    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    before = dict(G.DECODE_CONFIGS)
+    path = tmp_path / "bad.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        G.load_decode_configs(str(path))
+    assert str(path) in str(err.value) and needle in str(err.value)
+    assert G.DECODE_CONFIGS == before
+
+
+@pytest.mark.parametrize("tiles, steps, splits", [(32, 16, 4), (64, 32, 2), (96, 32, 2), (128, 32, 1), (224, 56, 1),
+                                                  (16, 32, 8), (2, 16, 4), (1, 512, 16), (64, 8, 2)])
+def test_split_rule_fills_the_sms_once(monkeypatch, tiles, steps, splits):
+    """The heuristic splits K until the programs about fill 132 SMs (0.9 per SM), keeping >= 4 steps per split and
+    at most 16 splits; the MX kernel keeps the 2-per-SM rule it was measured with."""
+    assert G._split_k(tiles, steps, 132, G.SPLIT_FILL) == splits
+    assert G._split_k(64, 32, 132, G.MX_SPLIT_FILL) == 8 and G._split_k(128, 32, 132, G.MX_SPLIT_FILL) == 4
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
+    assert G._plan_split(12, 64 * tiles, steps, 16, 64, torch.device("cpu"), None)[0] == splits
+
+
+def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
+    """33-64 rows on CUDA: whole-K, 64-row weight tiles from N = 4096, 32 below; fewer rows, the CPU, or the switch
+    off: nothing (the split rule)."""
+    cuda = torch.device("cuda")
+    assert G._heuristic_whole_k(33, 4096, cuda) == dict(whole_k=4, block_n=64)
+    assert G._heuristic_whole_k(64, 2048, cuda) == dict(whole_k=4, block_n=32)
+    assert G._heuristic_whole_k(32, 4096, cuda) == {} and G._heuristic_whole_k(65, 4096, cuda) == {}
+    assert G._heuristic_whole_k(48, 4096, torch.device("cpu")) == {}
+    monkeypatch.setattr(G, "WHOLE_K_AT_BM64", False)
+    assert G._heuristic_whole_k(48, 4096, cuda) == {}
+
+
+@pytest.mark.parametrize("usable", [True, False])
+def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable):
+    """Without knobs or entry, a 48-row call runs the heuristic's whole-K kernel; where it cannot run, the split rule
+    (not one split, as for an explicit whole_k)."""
+    monkeypatch.setattr(G, "_heuristic_whole_k", lambda m, n, d: dict(whole_k=4, block_n=64) if m > 32 else {})
+    monkeypatch.setattr(GW, "usable", lambda *a: usable)
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
+    monkeypatch.setattr(G, "_reduce", lambda *a, **kw: None)  # off CUDA the partials' reduce is a second kernel
+    launched, split = [], _Launch()
+    monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
+    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    x, xs, w, ws = _operands(m=48, n=512, k=4096)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    if usable:
+        assert launched == [(64, GW.default_stages(64, 4), 4)] and not split.calls
+    else:
+        grid, _, meta = split.calls[0]
+        want = G._plan_split(48, 512, 32, 64, 64, x.device, None)[0]
+        assert not launched and want > 1 and grid == (512 // 64, 1, want) and meta["BN"] == 64
