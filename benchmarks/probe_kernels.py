@@ -38,6 +38,10 @@
   reduce through global memory; the cost of a cluster launch itself (empty kernel, the split-K loop alone in
   clusters) and both reduces in CUDA graphs; per-program timeline of the fused reduce (`_gps_probe_kernel`
   TIMES); paged FP8 decode attention at batch 64 x 140 tokens over warps / stages / splits / block_n.
+* gemm_early / decode_graph / split_rule / split_ab (session 14): split-K with a fixed reducer and no handshake
+  (`_early_reduce_probe_kernel`); the Llama-3-8B decode GEMMs at M = 8 / 64 in CUDA graphs over every knob (writes
+  DECODE_CONFIGS entries as JSON for bench_e2e.py --decode-configs); split counts vs tile height over 21 shapes;
+  2 vs 4 splits on long-K shapes.
 * gemm_wholek / gemm_wholek_rotate (session 13): the decode GEMM with no split-K through the whole-K Gluon wgmma
   kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
   production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
@@ -60,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import DECODE_SHAPES, fingerprint, fp8_block_operands, graph_us  # noqa: E402
 from benchmarks.bench_gemm import time_us as _time_us  # noqa: E402
-from engine.kernels.gemm import _gemv_rows, _split_k_tile  # noqa: E402
+from engine.kernels.gemm import _gemv_rows, _scaled_steps, _split_k_tile  # noqa: E402
 from engine.kernels.pdl import pdl_enter  # noqa: E402
 from engine.kernels.quant import (_div_by_scale, _fast_domain, _group_offsets, _quant_groups,  # noqa: E402
                                   _quant_groups_fast, _rstd, _tile_rows)
@@ -2021,25 +2025,6 @@ def production_partials(xd, xs, wd, ws, splits=4, bn=64, warps=4, stages=5):
 
 
 @triton.jit
-def _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g_lo, g_hi, K, n_ok, m_ok, stride_wsg, stride_xsg):
-    """Production's split-K loop (`_fp8_block_gemm_kernel`) over the 128-groups [g_lo, g_hi), added to acc."""
-    offs_k = tl.arange(0, 128)
-    ws_next = tl.load(ws_row + g_lo * stride_wsg, mask=g_lo < g_hi, other=0.0)
-    xs_next = tl.load(xs_rows + g_lo * stride_xsg, mask=m_ok & (g_lo < g_hi), other=0.0)
-    for g in range(g_lo, g_hi):
-        ws = ws_next
-        xs = xs_next
-        ws_next = tl.load(ws_row + (g + 1) * stride_wsg, mask=g + 1 < g_hi, other=0.0)
-        xs_next = tl.load(xs_rows + (g + 1) * stride_xsg, mask=m_ok & (g + 1 < g_hi), other=0.0)
-        k = g * 128 + offs_k
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
-    return acc
-
-
-@triton.jit
 def _peek_partial(part_ptr, s, idx, mask, MN, SPLITS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
     """Split s's partial of the tile as int32 bits (volatile loads: from L2, re-issued on every call), or +0.0 bits
     for a split that does not exist (s >= SPLITS - 1: the reducer's own)."""
@@ -2175,15 +2160,26 @@ def probe_gemm_early(copy_tbs: float, ms=(4, 16)) -> None:
             if per is not None:
                 d = dbg.float()
                 polls = f" polls mean {float(d.mean()):.2f} max {int(d.max())}"
+            bits = "" if same is None else (" bits = production" if same else " bits differ")
             print(f"    {name:36} {ts[1]:6.2f} us (of 3 runs: {ts[0]:.2f}-{ts[2]:.2f}) {wbytes / ts[1] / 1e6:5.2f} TB/s "
-                  f"{t16 / ts[1]:4.2f}x bf16 err {err:.1e}{'' if same is None else (' bits = production' if same else ' bits differ')}"
-                  f"{polls}", flush=True)
-        print(f"    graph, 64 back to back: production {graph_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)):.2f} us, "
-              f"early per=27 tail=2 {graph_us(lambda: early_gemm(xd, xs, wd, ws, per=27, tail=2, dbg=dbg)):.2f} us",
-              flush=True)
+                  f"{t16 / ts[1]:4.2f}x bf16 err {err:.1e}{bits}{polls}", flush=True)
+        g_prod = graph_us(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32))
+        g_early = graph_us(lambda: early_gemm(xd, xs, wd, ws, per=27, tail=2, dbg=dbg))
+        print(f"    graph, 64 back to back: production {g_prod:.2f} us, early per=27 tail=2 {g_early:.2f} us", flush=True)
 
 
 LLAMA_DECODE_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # QKV, O, gate+up, down
+ROTATE_BYTES = 150_000_000  # weight copies cycled through per CUDA graph (3x the 50 MB L2): no call finds its weight
+
+
+def _weight_copies(n: int, k: int, elem_bytes: int = 1) -> int:
+    """How many copies of an N x K weight (elem_bytes each) the graph timings rotate through (>= 3 for FP8)."""
+    return max(3 if elem_bytes == 1 else 2, -(-ROTATE_BYTES // (elem_bytes * n * k)))
+
+
+def _fp8_weights(n: int, k: int) -> list:
+    """`_weight_copies` distinct random FP8 block weights (data, scale) of N x K."""
+    return [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(_weight_copies(n, k))]
 
 
 def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) -> None:
@@ -2201,9 +2197,8 @@ def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) 
     bf = torch.bfloat16
     entries = []
     for n, k in shapes:
-        copies = max(3, -(-150_000_000 // (n * k)))
-        wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(copies)]
-        w16 = [torch.randn(n, k, device=DEV, dtype=bf) for _ in range(max(2, -(-150_000_000 // (2 * n * k))))]
+        wts = _fp8_weights(n, k)
+        w16 = [torch.randn(n, k, device=DEV, dtype=bf) for _ in range(_weight_copies(n, k, 2))]
         wbytes = n * k + wts[0][1].numel() * 4
         for m in ms:
             xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
@@ -2261,8 +2256,9 @@ def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) 
 def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
     """Split count vs tile rows (BM 16 / 32 / 64) over a grid of decode shapes, as a decode step runs them (CUDA graph
     of 64 calls over >= 150 MB of weight copies, bf16 out): the split-K kernel with the heuristic's tiles, warps and
-    stages and 1 / 2 / 4 / 8 / 16 splits, the heuristic's own choice, and the whole-K kernel (64 / 32 rows, 2 / 4
-    groups per stage) -- the data for the heuristic's split rule (`_split_k`)."""
+    stages and 1 / 2 / 4 / 8 / 16 splits, the split rule's choice when run (session 14's file: the old 2-per-SM
+    rule), and the whole-K kernel (64 / 32 rows, 2 / 4 groups per stage) -- the data for `_split_k` / SPLIT_FILL;
+    `benchmarks/split_rule_eval.py` scores a rule against it."""
     from engine.kernels import gemm as G
     from engine.kernels import gemm_wgmma as GW
 
@@ -2273,8 +2269,7 @@ def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
         for k in (2048, 4096, 7168, 14336):
             if n * k > 120_000_000:
                 continue
-            copies = max(3, -(-150_000_000 // (n * k)))
-            wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(copies)]
+            wts = _fp8_weights(n, k)
             wbytes = n * k
             for m in ms:
                 xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
@@ -2297,7 +2292,8 @@ def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
                 best = min(row)
                 th = next(t for t, name in row if name == f"s{heur}")
                 cells = " ".join(f"{name}={t:6.2f}" for t, name in row)
-                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:6.2f} us ({wbytes / th / 1e6:4.2f} TB/s), "
+                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:6.2f} us "
+                      f"({wbytes / th / 1e6:4.2f} TB/s), "
                       f"best {best[1]} {best[0]:6.2f} us ({wbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
             del wts
 
@@ -2312,7 +2308,7 @@ def probe_split_ab(copy_tbs: float, shapes=((7168, 16384), (6144, 14336)), ms=(4
     bf = torch.bfloat16
     print(f"\n## split A/B at BM 16 (flush {FLUSH}): one call / CUDA graph, us (TB/s of weight bytes)")
     for n, k in shapes:
-        wts = [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(max(3, -(-150_000_000 // (n * k))))]
+        wts = _fp8_weights(n, k)
         for m in ms:
             xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
             heur = G._plan_split(m, n, -(-k // 128), 16, 64, xd.device, None)[0]

@@ -149,3 +149,30 @@ def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable):
         grid, _, meta = split.calls[0]
         want = G._plan_split(48, 512, 32, 64, 64, x.device, None)[0]
         assert not launched and want > 1 and grid == (512 // 64, 1, want) and meta["BN"] == 64
+
+
+def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
+    """benchmarks/split_rule_eval.py on session 14's H200 sweep: the rule in the code picks within 6% of the best
+    variant (geometric mean over 63 points, each tile height within 6%) and beats the old 2-per-SM rule; changing
+    SPLIT_FILL or the whole-K switch without a new sweep fails here."""
+    from benchmarks import split_rule_eval as E
+
+    sms, rows = E.read_sweep(E.DEFAULT)
+    assert sms == 132 and len(rows) == 63
+    now = E.score(sms, rows, G.SPLIT_FILL, G.WHOLE_K_AT_BM64)
+    old = E.score(sms, rows, 2.0, False)
+    assert all(g < 1.06 for g in now["geo"].values()) and now["worst"][0] < 1.4
+    assert old["geo"]["all"] > 1.2 > now["geo"]["all"] * 1.1
+
+
+def test_split_rule_eval_refuses_other_files(tmp_path):
+    """A file that is not a split-rule sweep is refused by name."""
+    from benchmarks import split_rule_eval as E
+
+    bad = tmp_path / "other.txt"
+    bad.write_text("## decode\n  4096x4096 M=4 something\n")
+    with pytest.raises(ValueError, match="other.txt: no '<n> SMs' header"):
+        E.read_sweep(bad)
+    bad.write_text("## split rule ... 132 SMs\n")
+    with pytest.raises(ValueError, match="no sweep rows"):
+        E.read_sweep(bad)

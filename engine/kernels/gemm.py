@@ -150,6 +150,28 @@ def _split_k_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, gr
     return offs_n, offs_m, offs_n < N, offs_m < M, w_rows, x_rows, ws_row, xs_rows, g0, g1
 
 
+@triton.jit
+def _scaled_steps(acc, w_rows, x_rows, ws_row, xs_rows, g_lo, g_hi, K, n_ok, m_ok, stride_wsg, stride_xsg):
+    """The split-K loop over the 128-groups [g_lo, g_hi), added to acc (BN, BM): per group the FP8 tensor-core dot
+    of the weight rows and activation rows, times that group's scales, promoted to fp32. The scales of group g+1
+    are loaded during step g (the pipeliner streams W / X through shared memory but leaves these small loads
+    synchronous: their latency would stall every step)."""
+    offs_k = tl.arange(0, 128)
+    ws_next = tl.load(ws_row + g_lo * stride_wsg, mask=g_lo < g_hi, other=0.0)
+    xs_next = tl.load(xs_rows + g_lo * stride_xsg, mask=m_ok & (g_lo < g_hi), other=0.0)
+    for g in range(g_lo, g_hi):
+        ws = ws_next
+        xs = xs_next
+        ws_next = tl.load(ws_row + (g + 1) * stride_wsg, mask=g + 1 < g_hi, other=0.0)
+        xs_next = tl.load(xs_rows + (g + 1) * stride_xsg, mask=m_ok & (g + 1 < g_hi), other=0.0)
+        k = g * 128 + offs_k
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+    return acc
+
+
 # M, N and the scale strides are not value-specialized: fewer compiled variants; K and the row
 # strides are (16-byte divisibility enables vector loads).
 @triton.jit(do_not_specialize=["M", "N", "groups_per_split", "n_splits", "stride_xsm", "stride_xsg", "stride_wsn",
@@ -164,8 +186,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
 
-    The scales of group g+1 are loaded during step g (the pipeliner streams W / X through shared
-    memory but leaves these small loads synchronous: their latency would stall every step).
+    The loop is `_scaled_steps` (also the fixed-reducer probe's, benchmarks/probe_kernels.py).
     FUSED_REDUCE (split-K): the last split to finish a tile (per-tile arrival counter cnt_ptr, reset
     to 0 by that split) sums all partials in split order itself -- the same bits as
     `_splitk_reduce_kernel`, without its launch. Each split's partial store is released by its
@@ -184,20 +205,8 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     offs_n, offs_m, n_ok, m_ok, w_rows, x_rows, ws_row, xs_rows, g0, g1 = _split_k_tile(
         x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, groups_per_split, stride_xm, stride_wn,
         stride_xsm, stride_wsn, BM, BN)
-    offs_k = tl.arange(0, 128)
-    ws_next = tl.load(ws_row + g0 * stride_wsg, mask=g0 < g1, other=0.0)
-    xs_next = tl.load(xs_rows + g0 * stride_xsg, mask=m_ok & (g0 < g1), other=0.0)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for g in range(g0, g1):
-        ws = ws_next
-        xs = xs_next
-        ws_next = tl.load(ws_row + (g + 1) * stride_wsg, mask=g + 1 < g1, other=0.0)
-        xs_next = tl.load(xs_rows + (g + 1) * stride_xsg, mask=m_ok & (g + 1 < g1), other=0.0)
-        k = g * 128 + offs_k
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+    acc = _scaled_steps(tl.zeros((BN, BM), dtype=tl.float32), w_rows, x_rows, ws_row, xs_rows, g0, g1, K, n_ok,
+                        m_ok, stride_wsg, stride_xsg)
     if CLUSTER > 1:
         _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr, BN, BM, CLUSTER, HAS_BIAS,
                         ROUND_BF16)

@@ -1,0 +1,84 @@
+"""Score the decode GEMM heuristic against a measured split-rule sweep (no GPU needed).
+
+    python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30-session14/probe_split_rule.txt]
+
+The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
+whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
+mean of (time of the rule's pick / time of the best variant) and the worst point, for the rule in
+`engine.kernels.gemm` now (`_split_k` with `SPLIT_FILL`, `_heuristic_whole_k`) and for the rule of sessions 3-13
+(2 programs per SM, no whole-K). The SM count is the sweep's (its header line).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from engine.kernels import gemm as G  # noqa: E402
+
+DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session14" / "probe_split_rule.txt"
+ROW = re.compile(r"\s+(\d+)x\s*(\d+) M=\s*(\d+) BM=(\d+): .*\| (.*)")
+
+
+def read_sweep(path: Path) -> tuple[int, dict[tuple[int, int, int, int], dict[str, float]]]:
+    """(SM count, {(N, K, M, BM): {variant: us}}) from a split-rule probe's output."""
+    text = path.read_text()
+    sms = re.search(r"(\d+) SMs", text)
+    if sms is None:
+        raise ValueError(f"{path}: no '<n> SMs' header; is this `probe_kernels.py --only split_rule` output?")
+    rows = {}
+    for line in text.splitlines():
+        m = ROW.match(line)
+        if m:
+            n, k, mm, bm = map(int, m.groups()[:4])
+            rows[(n, k, mm, bm)] = {a: float(b) for a, b in re.findall(r"(\w+)=\s*([\d.]+)", m.group(5))}
+    if not rows:
+        raise ValueError(f"{path}: no sweep rows found")
+    return int(sms.group(1)), rows
+
+
+def pick(n: int, k: int, m: int, sms: int, fill: float, whole_k: bool) -> str:
+    """The variant a heuristic runs for (N, K, M): 'wk<block_n>x<groups>' or 's<splits>'."""
+    if whole_k:
+        wk = G._heuristic_whole_k(m, n, torch.device("cuda"))
+        if wk:
+            return f"wk{wk['block_n']}x{wk['whole_k']}"
+    bm, bn, _, _ = G._tiles(m)
+    tiles = -(-n // bn) * -(-m // bm)
+    return f"s{G._split_k(tiles, -(-k // 128), sms, fill)}"
+
+
+def score(sms: int, rows: dict, fill: float, whole_k: bool) -> dict:
+    """Per BM and overall: geometric mean of pick / best, and the worst point."""
+    ratios: dict = {}
+    worst = (0.0, None)
+    for (n, k, m, bm), times in rows.items():
+        r = times[pick(n, k, m, sms, fill, whole_k)] / min(times.values())
+        ratios.setdefault(bm, []).append(r)
+        ratios.setdefault("all", []).append(r)
+        worst = max(worst, (r, (n, k, m)))
+    geo = {key: math.exp(sum(map(math.log, v)) / len(v)) for key, v in ratios.items()}
+    return {"geo": geo, "worst": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
+    print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")
+    for name, fill, wk in (("sessions 3-13: 2 programs per SM", 2.0, False),
+                           (f"now: {G.SPLIT_FILL} per SM, whole-K at BM 64 {G.WHOLE_K_AT_BM64}", G.SPLIT_FILL,
+                            G.WHOLE_K_AT_BM64)):
+        s = score(sms, rows, fill, wk)
+        per = "  ".join(f"BM {bm} {g:.3f}" for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
+        print(f"  {name:48s} all {s['geo']['all']:.3f}  {per}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
