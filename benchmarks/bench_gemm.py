@@ -387,8 +387,9 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                 pinned = G._decode_knobs(m, n, k, xd.device, {})  # a DECODE_CONFIGS entry, when one matches
                 bn = pinned.get("block_n") or bn
                 splits, _ = G._plan_split(m, n, -(-k // 128), bm, bn, xd.device, pinned.get("split_k"))
-                try:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, dtypes...)
-                    cfg = next((str(c) for key, c in tuned.items() if tuple(key[:3]) == (n, k, bm)), "fixed")
+                try:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, splits, dtypes...)
+                    cfg = next((str(c) for key, c in tuned.items() if tuple(key[:4]) == (n, k, bm, bn)
+                                and key[5] == splits), "fixed")
                 except (TypeError, IndexError):
                     cfg = "?"
                 cfg = f"DECODE_CONFIGS {pinned}" if pinned else cfg

@@ -176,3 +176,9 @@ def test_split_rule_eval_refuses_other_files(tmp_path):
     bad.write_text("## split rule ... 132 SMs\n")
     with pytest.raises(ValueError, match="no sweep rows"):
         E.read_sweep(bad)
+
+
+def test_autotuner_keeps_split_counts_apart():
+    """The split-K kernel's autotuner caches a pipeline depth per (N, K, BM, BN, partials, split count): a call that
+    gives only split_k is tuned for its own split count, not served another's stages."""
+    assert G._fp8_block_gemm_tuned.keys == ["N", "K", "BM", "BN", "USE_PART", "n_splits"]

@@ -409,9 +409,11 @@ GEMV_M1 = True
 # 1 KB: 1-2% faster in isolation on 4 of 5 shapes, equal end to end (h200-2026-11-29-session6/probe_prefetch.txt);
 # 4 KB and more were slower.
 GEMV_PREFETCH_BYTES = 0
+# Keyed by the split count too: a call with only split_k given must not inherit the stages tuned for another split
+# count of the same shape (session 14's split A/B did, benchmarks/results/h200-2026-11-30-session14/README.md).
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
-    key=["N", "K", "BM", "BN", "USE_PART"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
+    key=["N", "K", "BM", "BN", "USE_PART", "n_splits"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
 
 # Measured decode configs, as data: (device name, N, K, BM) -> knobs of `fp8_block_gemm_triton`
 # (split_k, block_n, num_warps, num_stages, fused_reduce). `fp8_block_linear` uses an entry when one
