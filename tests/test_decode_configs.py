@@ -22,6 +22,7 @@ def test_every_table_entry_is_runnable(key):
     _, n, k, bm = key
     knobs = G.DECODE_CONFIGS[key]
     assert set(knobs) <= set(G.DECODE_KNOBS)
+    assert all(G._KNOB_VALUES[name][0](v) for name, v in knobs.items())  # what an entry file may hold, too
     bn = knobs.get("block_n") or G._tiles(bm)[1]
     if knobs.get("whole_k"):
         gps = knobs["whole_k"] if knobs["whole_k"] in (2, 4) else GW.GPS
@@ -91,6 +92,11 @@ def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
     ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"split_k": 2}}, '
      '{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"splitk": 2}}]', "entry 1: unknown knob(s) ['splitk']"),
     ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {}}]', "(none given)"),
+    ('[{"device": "g", "n": true, "k": 2, "bm": 16, "knobs": {"split_k": 2}}]', "positive integers"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"block_n": 48}}]', "entry 0: block_n=48; use 16, 32, 64"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"whole_k": 3}}]', "whole_k=3; use true, 2 or 4"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"split_k": 0}}]', "split_k=0; use a positive integer"),
+    ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"fused_reduce": 1}}]', "fused_reduce=1; use true or false"),
 ])
 def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle):
     """Each malformed file is refused with its path and what is wrong (entry index, key, value); nothing of it is

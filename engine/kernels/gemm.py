@@ -580,6 +580,23 @@ def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str,
     return dict(DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {}))
 
 
+def _positive_int(v: Any) -> bool:
+    """An int > 0 (a JSON true is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+# The values each DECODE_KNOBS key takes in an entry file: (check, what to write in the error).
+_KNOB_VALUES: dict[str, tuple[Any, str]] = {
+    "split_k": (_positive_int, "a positive integer"),
+    "block_n": (lambda v: v in (16, 32, 64, 128) and not isinstance(v, bool), "16, 32, 64 or 128"),
+    "num_warps": (lambda v: v in (1, 2, 4, 8, 16) and not isinstance(v, bool), "1, 2, 4, 8 or 16"),
+    "num_stages": (_positive_int, "a positive integer"),
+    "fused_reduce": (lambda v: isinstance(v, bool), "true or false"),
+    "cluster": (lambda v: isinstance(v, bool), "true or false"),
+    "whole_k": (lambda v: v is True or (v in (2, 4) and not isinstance(v, bool)), "true, 2 or 4"),
+}
+
+
 def load_decode_configs(path: str, apply: bool = True) -> dict[tuple[str, int, int, int], dict[str, Any]]:
     """`DECODE_CONFIGS` entries from a JSON file -- a list of {"device", "n", "k", "bm", "knobs"} objects, as
     `benchmarks/probe_kernels.py --only decode_graph` writes them -- validated, and added to (or replacing entries
@@ -602,7 +619,7 @@ def load_decode_configs(path: str, apply: bool = True) -> dict[tuple[str, int, i
         if not isinstance(row, dict) or set(row) != {"device", "n", "k", "bm", "knobs"}:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise _bad(f"{where}: expected the keys device, n, k, bm, knobs; got {got}")
-        if not isinstance(row["device"], str) or not all(isinstance(row[a], int) and row[a] > 0 for a in "nk"):
+        if not isinstance(row["device"], str) or not all(_positive_int(row[a]) for a in "nk"):
             raise _bad(f"{where}: device must be a GPU name string, n and k positive integers")
         if row["bm"] not in (16, 32, 64):
             raise _bad(f"{where}: bm={row['bm']!r}; decode tiles have BM 16, 32 or 64 (see _tiles)")
@@ -610,6 +627,10 @@ def load_decode_configs(path: str, apply: bool = True) -> dict[tuple[str, int, i
         bad = sorted(set(knobs) - set(DECODE_KNOBS)) if isinstance(knobs, dict) else ["<not an object>"]
         if bad or not knobs:
             raise _bad(f"{where}: unknown knob(s) {bad or '(none given)'}; use {', '.join(DECODE_KNOBS)}")
+        for name, value in knobs.items():
+            ok, allowed = _KNOB_VALUES[name]
+            if not ok(value):
+                raise _bad(f"{where}: {name}={value!r}; use {allowed}")
         out[(row["device"], row["n"], row["k"], row["bm"])] = dict(knobs)
     if apply:
         DECODE_CONFIGS.update(out)
@@ -700,9 +721,8 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
-    auto_whole_k = not cfg and bool(_heuristic_whole_k(m, n, x.device))
-    if auto_whole_k:
-        cfg = _heuristic_whole_k(m, n, x.device)
+    auto_whole_k = {} if cfg else _heuristic_whole_k(m, n, x.device)
+    cfg = cfg or auto_whole_k
     if cfg.get("whole_k"):
         wbn = cfg.get("block_n") or gw.BLOCK_N
         gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
