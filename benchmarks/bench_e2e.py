@@ -351,14 +351,10 @@ def main() -> None:
                     help="a JSON file of DECODE_CONFIGS entries to add for this run (engine.kernels.gemm."
                          "load_decode_configs; e.g. probe_kernels.py --only decode_graph's decode_graph_entries.json)")
     args = ap.parse_args()
-    added = {}
-    if args.decode_configs:
-        from engine.kernels import gemm
+    from engine.kernels import gemm
 
-        added = gemm.load_decode_configs(args.decode_configs)
+    added = gemm.load_decode_configs(args.decode_configs) if args.decode_configs else {}
     if args.gemv_prefetch is not None:
-        from engine.kernels import gemm
-
         gemm.GEMV_PREFETCH_BYTES = args.gemv_prefetch
     from engine.config import ModelConfig
     from engine.model import Transformer

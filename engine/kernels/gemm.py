@@ -641,7 +641,7 @@ def _heuristic_whole_k(m: int, n: int, device: torch.device) -> dict[str, Any]:
     """The whole-K knobs the heuristic picks for a call without knobs or entry: 33-64 rows (tile BM 64) on CUDA
     while `WHOLE_K_AT_BM64`, 64-row weight tiles from N = 4096 and 32 below, 4 groups per stage (see SPLIT_FILL);
     else {}. Where the kernel cannot run, the caller takes the split rule instead."""
-    if WHOLE_K_AT_BM64 and device.type == "cuda" and 1 <= m <= 64 and _tiles(m)[0] == 64:
+    if WHOLE_K_AT_BM64 and device.type == "cuda" and m <= 64 and _tiles(m)[0] == 64:
         return dict(whole_k=4, block_n=64 if n >= 4096 else 32)
     return {}
 
