@@ -338,6 +338,8 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shaped MoE instead of Llama-3-8B")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--runtime", action="store_true", help="also time the paged runtime with CUDA-graph decode")
+    ap.add_argument("--runtime-only", action="store_true",
+                    help="time only the paged runtime (implies --runtime; skips the much slower Engine.forward rows)")
     ap.add_argument("--profile", action="store_true", help="print each configuration's top kernels per decode step")
     ap.add_argument("--small-m", type=int, default=None,
                     help="cuda-native small_m (token count up to which GEMMs run the Triton decode kernel, above: "
@@ -384,8 +386,8 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for recipe in args.recipes.split(","):
-            modes = [(False, args.pdl != "off")]
-            if args.runtime:
+            modes = [] if args.runtime_only else [(False, args.pdl != "off")]
+            if args.runtime or args.runtime_only:
                 modes += [(True, True), (True, False)] if args.pdl == "both" else [(True, args.pdl == "on")]
             for runtime, pdl in modes:
                 try:

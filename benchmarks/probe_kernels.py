@@ -2184,7 +2184,7 @@ def _fp8_weights(n: int, k: int) -> list:
 
 def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) -> None:
     """The Llama-3-8B decode GEMMs at the batch sizes of the e2e benchmark above 1 (M = 8 -> BM 16, M = 64 -> BM
-    64), timed as a decode step runs them: per call in a CUDA graph of 64 back-to-back calls rotating through
+    64; `--only decode_graph32`: M = 32 -> BM 32), timed as a decode step runs them: per call in a CUDA graph of 64 back-to-back calls rotating through
     copies of the weight (>= 150 MB, so no call finds its weight in L2), bf16 output, PDL as in production. The
     production split-K kernel over block_n, splits, warps and stages (and at M = 64 the whole-K kernel) vs the
     default dispatch and bf16 cuBLAS; prints `DECODE_CONFIGS` entries for the winners."""
@@ -2248,7 +2248,8 @@ def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) 
                 entries.append(dict(device=torch.cuda.get_device_name(), n=n, k=k, bm=bm, knobs=res[0][1]))
         del wts, w16
     if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"], "decode_graph_entries.json")
+        suffix = "" if tuple(ms) == (8, 64) else "_m" + "_".join(str(m) for m in ms)
+        path = Path(os.environ["OUT"], f"decode_graph_entries{suffix}.json")
         path.write_text(json.dumps(entries, indent=1))
         print(f"  {len(entries)} entries -> {path} (benchmarks/bench_e2e.py --decode-configs)", flush=True)
 
@@ -2441,7 +2442,8 @@ def main() -> int:
               "gemm_floor": probe_gemm_floor, "gemm_timeline": probe_gemm_timeline, "gemm_carveout": probe_gemm_carveout, "gemm_tail": probe_gemm_tail, "gemm_nosplit": probe_gemm_nosplit, "gemm_noswap": probe_gemm_noswap,
               "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
               "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_early": probe_gemm_early,
-              "decode_graph": probe_decode_graph, "split_rule": probe_split_rule,
+              "decode_graph": probe_decode_graph, "decode_graph32": lambda c: probe_decode_graph(c, ms=(32,)),
+              "split_rule": probe_split_rule,
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

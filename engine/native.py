@@ -278,7 +278,9 @@ class NativeNumerics(Numerics):
         if not (self._fusable(gate) and up.shape == gate.shape and up.dtype == gate.dtype):
             self._count("swiglu", "fallback")
             return super().swiglu(gate, up, module)
-        data, scale, hp = self._quant_k.swiglu_quant(gate.contiguous(), up.contiguous(), return_hp=True)
+        # gate / up are usually the two column halves of the stacked gate/up GEMM's output (`linears`): the kernel
+        # reads them at their row stride, with no copy kernels before it (two per layer before session 15)
+        data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True)
         self._count("swiglu", "native")
         return self._remember(hp.reshape(gate.shape), data, scale)
 

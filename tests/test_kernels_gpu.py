@@ -192,6 +192,22 @@ def test_act_and_swiglu_single_row_default_tile_same_bits():
     assert torch.equal(_bits(a1), _bits(a[3:4])) and torch.equal(as1, as_[3:4])
 
 
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (64, torch.float32), (8, torch.bfloat16)])
+def test_swiglu_quant_reads_gemm_halves_in_place(rows, dtype):
+    """The native backend passes the gate / up column halves of the stacked gate/up GEMM output (Llama-3-8B's
+    14336 + 14336 columns, decode rows) without copying them: same bits as contiguous copies of the values."""
+    from engine.kernels.quant import swiglu_quant
+
+    k = 14336
+    y = torch.cat([_inputs(rows, k, "heavy").clamp(-60, 60), _inputs(rows, k, "normal")], dim=1).to(dtype)
+    gate, up = y.reshape(rows, 1, 2 * k).split([k, k], dim=-1)
+    assert up.data_ptr() == y.data_ptr() + k * y.element_size()  # a view into the GEMM output, not a copy
+    d, s, h = swiglu_quant(gate, up, return_hp=True)
+    rd, rs, rh = swiglu_quant(gate.contiguous(), up.contiguous(), return_hp=True)
+    assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+    assert torch.equal(h.view(torch.int32), rh.view(torch.int32))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_swiglu_quant(shape):
     """Fused SwiGLU+quant: bit-exact quantization of its own activation, activation close to torch's."""

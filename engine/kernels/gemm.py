@@ -441,6 +441,16 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # 2.62 TB/s in a CUDA graph (bench_gemm_split_rule.txt); the old rule's 4 splits with 4 stages, pinned here,
     # measured 34.9 / 35.2 us and 2.95 / 2.89 TB/s (h200-2026-11-29-session11/bench_gemm.txt).
     ("NVIDIA H200", 7168, 16384, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
+    # Llama-3-8B decode at batch 17-32 (BM 32), swept as the batch-8 / 64 entries (benchmarks/results/
+    # h200-2026-11-30-session15/probe_decode_graph32.txt, us per call in a CUDA graph, entry vs heuristic): 8 warps
+    # where the heuristic runs 4. 28672x4096's heuristic (no split) was already the best. Batch-32 runtime step,
+    # two runs each: fp8-block 4.35 / 4.32 -> 4.11 / 4.14 ms, fp8-kv-embed 4.39 / 4.31 -> 4.19 / 4.21 (ab_b32.txt).
+    ("NVIDIA H200", 6144, 4096, 32): dict(split_k=4, block_n=64, num_warps=8, num_stages=3,
+                                          fused_reduce=True),  # 10.86 vs 12.77
+    ("NVIDIA H200", 4096, 4096, 32): dict(split_k=2, block_n=64, num_warps=8, num_stages=4,
+                                          fused_reduce=True),  # 9.17 vs 10.01
+    ("NVIDIA H200", 4096, 14336, 32): dict(split_k=4, block_n=128, num_warps=8, num_stages=4,
+                                           fused_reduce=True),  # 22.48 vs 25.90
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k")
 # The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/

@@ -342,18 +342,20 @@ def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K,
 
 
 @triton.jit
-def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups,
+def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, stride_g, stride_u,
                          BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr,
                          FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant.
+    g and u are read at their own row strides (stride_g / stride_u elements; columns contiguous), so the two
+    halves of a gate/up GEMM output are read in place; out, scales and hp are contiguous (M, K).
 
     FAST_SILU: the silu division is the approximate full-range one (div.full.f32, <= 2 ulp; tl.exp is
     already approximate) instead of IEEE; the quantization's divisions stay IEEE (bit-exactness)."""
     pdl_enter(PDL)
     row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
-    off, mask, _ = _group_offsets(row, grp, M, K)
-    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    off, mask, cols = _group_offsets(row, grp, M, K)
+    g = tl.load(g_ptr + row.to(tl.int64)[:, None] * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row.to(tl.int64)[:, None] * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if FAST_SILU:
         h = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False) * u
     else:
@@ -364,10 +366,16 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_group
 
 
 # --------------------------------------------------------------------- wrappers
-def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
-    """(rows, K, groups) for a (..., K) CUDA tensor (CPU under TRITON_INTERPRET=1)."""
+def _launch_shape(x: torch.Tensor, name: str = "x", strided: bool = False) -> tuple[int, int, int]:
+    """(rows, K, groups) for a (..., K) CUDA tensor (CPU under TRITON_INTERPRET=1): contiguous, or with
+    `strided` a (rows, K) `_row_view` (rows at any stride, columns contiguous)."""
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError(f"{name}: the Triton quant kernels need CUDA tensors (got device {x.device})")
+    if strided:
+        if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
+            raise ValueError(f"{name}: needs a (rows, K) view with contiguous columns, got shape {tuple(x.shape)} "
+                             f"strides {x.stride()}")
+        return x.shape[0], x.shape[1], triton.cdiv(x.shape[1], GROUP)
     if not x.is_contiguous() or x.dim() < 1:
         raise ValueError(f"{name}: needs a contiguous (..., K) tensor, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}; call .contiguous() first")
@@ -398,6 +406,15 @@ def _default_bm(bm: int, rows: int) -> int:
     16 rows per program, 1.4 us at 1; benchmarks/results/h200-2026-11-29-session6/probe_small.txt). Tilings
     never change act_quant / SwiGLU bits."""
     return min(bm, triton.next_power_of_2(max(rows, 1)))
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as (rows, K) with contiguous columns: a view where the leading dims collapse to one row stride
+    (a column slice of a wider GEMM output, e.g. the gate or up half of a stacked gate/up GEMM), a copy otherwise."""
+    if x.dim() < 1:
+        raise ValueError("needs a (..., K) tensor, got a 0-d tensor")
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
 
 
 def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool):
@@ -570,19 +587,22 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
                  num_warps: int | None = None, *, gb: int | None = None, fast_silu: bool | None = None):
     """Fused SwiGLU (silu(gate) * up) of gate, up (..., K) -> E4M3 1x128 quant: (data, scales[, fp32 activation]).
 
+    gate and up may be views whose rows are strided and whose columns are contiguous, such as the two column halves
+    of a stacked gate/up GEMM output: the kernel reads them in place (other layouts are copied first).
     Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`.
     `fast_silu` picks the approximate silu division (see `_swiglu_quant_kernel`). None -> `SWIGLU_DEFAULTS`."""
-    if gate.shape != up.shape or not up.is_contiguous():
-        raise ValueError(f"swiglu_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape "
-                         "and be contiguous")
-    rows, k, groups = _launch_shape(gate, "gate")
+    if gate.shape != up.shape or gate.device != up.device:
+        raise ValueError(f"swiglu_quant: gate {tuple(gate.shape)} on {gate.device} and up {tuple(up.shape)} on "
+                         f"{up.device} must have one shape and device")
+    g2, u2 = _row_view(gate), _row_view(up)
+    rows, k, groups = _launch_shape(g2, "gate", strided=True)
     d = SWIGLU_DEFAULTS
     bm = _pow2_knob("bm", _default_bm(d["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 64)
     out, scales, hp = _outputs(gate, rows, k, groups, return_hp)
     if rows and k:
         _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
-            gate, up, out, scales, hp, rows, k, groups, BM=bm, GB=gb,
+            g2, u2, out, scales, hp, rows, k, groups, g2.stride(0), u2.stride(0), BM=bm, GB=gb,
             FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
             FAST=fast_division(gate),
             num_warps=num_warps or d["num_warps"], **launch_opts(gate))
