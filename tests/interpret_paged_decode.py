@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 CHECKS = {
@@ -61,24 +59,19 @@ def main(names: list[str]) -> int:
     import pytest
     import test_attention_gpu as t
 
+    from interpret_util import run_checks
+
     t.DEV = "cpu"
-    failed = 0
-    for name in names or list(CHECKS):
+
+    def check(name: str) -> None:
         fn, args = CHECKS[name]
-        t0 = time.time()
-        try:
-            if args == ("monkeypatch",):
-                with pytest.MonkeyPatch.context() as mp:
-                    getattr(t, fn)(mp)
-            else:
-                getattr(t, fn)(*args)
-        except Exception:  # noqa: BLE001 -- report every check, then fail
-            traceback.print_exc()
-            print(f"FAILED {name}", flush=True)
-            failed += 1
-            continue
-        print(f"ok {name} ({time.time() - t0:.1f} s)", flush=True)
-    return 1 if failed else 0
+        if args == ("monkeypatch",):
+            with pytest.MonkeyPatch.context() as mp:
+                getattr(t, fn)(mp)
+        else:
+            getattr(t, fn)(*args)
+
+    return run_checks(names or list(CHECKS), check)
 
 
 if __name__ == "__main__":

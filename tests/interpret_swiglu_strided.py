@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 
 CHECKS = ("stacked_halves_2d", "stacked_halves_3d", "bf16_halves", "mixed_dtypes", "column_strided_copy", "knobs",
@@ -108,18 +107,11 @@ def main(names: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    failed = 0
-    for name in names or CHECKS:
-        try:
-            run(name)
-        except Exception:  # noqa: BLE001 -- report every check, then fail
-            traceback.print_exc()
-            print(f"FAILED {name}", flush=True)
-            failed += 1
-            continue
-        print(f"ok {name}", flush=True)
-    return 1 if failed else 0
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here.parent), str(here)]
+    from interpret_util import run_checks
+
+    return run_checks(names or CHECKS, run)
 
 
 if __name__ == "__main__":

@@ -438,13 +438,22 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
                                            fused_reduce=True),  # 39.4 vs 48.2
     ("NVIDIA H200", 4096, 14336, 64): dict(whole_k=2, block_n=32),  # 25.3 vs 34.5
     # The split rule (SPLIT_FILL) gives this issue shape 2 splits: one call 35.1 / 35.4 us at M = 4 / 16 but 2.59 /
-    # 2.62 TB/s in a CUDA graph (bench_gemm_split_rule.txt); the old rule's 4 splits with 4 stages, pinned here,
-    # measured 34.9 / 35.2 us and 2.95 / 2.89 TB/s (h200-2026-11-29-session11/bench_gemm.txt).
-    ("NVIDIA H200", 7168, 16384, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
+    # 2.62 TB/s in a CUDA graph (bench_gemm_split_rule.txt); session 14 pinned the old rule's 4 splits with 4 stages
+    # (graph 2.98 / 2.90 TB/s). Session 15 timed every config both ways (h200-2026-11-30-session15/
+    # probe_decode_dual.txt): 3 stages, one call 34.05 / 34.05 us (3.45 TB/s) and graph 31.7 / 32.6 us (3.71 / 3.60
+    # TB/s), against 4 stages' 39.5 / 40.9 us in the graph; bench_gemm.txt: 3.47 / 3.43 TB/s, graph 3.76 / 3.66.
+    ("NVIDIA H200", 7168, 16384, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    # 28672x4096 (gate+up) at BM 16 / 32: no split, 64-row tiles, as the heuristic, but 3 stages pinned. Left to the
+    # autotuner (timed on repeated calls, L2 warm) it took 3 stages in session 14 and 4 in session 15, where one
+    # call went 3.54 -> 3.72 TB/s and a CUDA graph over weight copies 3.87 -> 3.21 TB/s at M = 4 (session 14's
+    # bench_gemm.txt, session 15's bench_gemm_autotuned_28672.txt; pinned: 3.61 / 3.99, session 15's bench_gemm.txt;
+    # probe_decode_graph*.txt: 30.3 us at M = 8, 33.4 at M = 32). Same bits as the heuristic.
+    ("NVIDIA H200", 28672, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    ("NVIDIA H200", 28672, 4096, 32): dict(split_k=1, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
     # Llama-3-8B decode at batch 17-32 (BM 32), swept as the batch-8 / 64 entries (benchmarks/results/
     # h200-2026-11-30-session15/probe_decode_graph32.txt, us per call in a CUDA graph, entry vs heuristic): 8 warps
-    # where the heuristic runs 4. 28672x4096's heuristic (no split) was already the best. Batch-32 runtime step,
-    # two runs each: fp8-block 4.35 / 4.32 -> 4.11 / 4.14 ms, fp8-kv-embed 4.39 / 4.31 -> 4.19 / 4.21 (ab_b32.txt).
+    # where the heuristic runs 4 (28672x4096: above). Batch-32 runtime step, two runs each: fp8-block
+    # 4.35 / 4.32 -> 4.11 / 4.14 ms, fp8-kv-embed 4.39 / 4.31 -> 4.19 / 4.21 (ab_b32.txt).
     ("NVIDIA H200", 6144, 4096, 32): dict(split_k=4, block_n=64, num_warps=8, num_stages=3,
                                           fused_reduce=True),  # 10.86 vs 12.77
     ("NVIDIA H200", 4096, 4096, 32): dict(split_k=2, block_n=64, num_warps=8, num_stages=4,
