@@ -2182,6 +2182,29 @@ def _fp8_weights(n: int, k: int) -> list:
     return [fp8_block_operands(1, n, k, seed=n + i)[2:] for i in range(_weight_copies(n, k))]
 
 
+def _decode_cfg_times(xd, xs, wts, ref, cfg: dict, one_call: bool = False):
+    """One knob set of `fp8_block_gemm_triton` (bf16 out): (rel error of its fp32 output vs ref, us per call in a CUDA
+    graph cycling through the weight copies wts, us of one call after a clean L2 flush when one_call else None), or
+    None when it is wrong or cannot run (printed, unless out of shared memory)."""
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    try:
+        out = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, **cfg)
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not err <= 5e-3:
+            print(f"    {cfg} WRONG: rel err {err:.1e}")
+            return None
+        t = (_time_us(lambda: G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=bf, **cfg), flush="clean")
+             if one_call else None)
+        g = graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg) for w in wts])
+    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+        if "out of resource" not in str(exc):
+            print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+        return None
+    return err, g, t
+
+
 def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) -> None:
     """The Llama-3-8B decode GEMMs at the batch sizes of the e2e benchmark above 1 (M = 8 -> BM 16, M = 64 -> BM
     64; `--only decode_graph32`: M = 32 -> BM 32), timed as a decode step runs them: per call in a CUDA graph of 64
@@ -2224,19 +2247,9 @@ def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) 
                 cfgs += [dict(whole_k=gps, block_n=bn) for bn in (32, 64) for gps in (2, 4)]
             res = []
             for cfg in cfgs:
-                try:
-                    out = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, **cfg)
-                    err = ((out - ref).norm() / ref.norm()).item()
-                    if not err <= 5e-3:
-                        print(f"    {cfg} WRONG: rel err {err:.1e}")
-                        continue
-                    t = graph_us([lambda w=w, cfg=cfg: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
-                                  for w in wts])
-                except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-                    if "out of resource" not in str(exc):
-                        print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
-                    continue
-                res.append((t, cfg, err))
+                got = _decode_cfg_times(xd, xs, wts, ref, cfg)
+                if got is not None:
+                    res.append((got[1], cfg, got[0]))
             res.sort(key=lambda r: r[0])
             for t, cfg, err in res[:6]:
                 print(f"      {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s ({100 * wbytes / t / 1e6 / copy_tbs:.0f}% copy) "
@@ -2280,21 +2293,10 @@ def probe_decode_dual(copy_tbs: float, shapes=((7168, 16384),), ms=(4, 16)) -> N
                         if bn == 128 and stages > 4:
                             continue
                         cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
-                        try:
-                            out = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, **cfg)
-                            err = ((out - ref).norm() / ref.norm()).item()
-                            if not err <= 5e-3:
-                                print(f"    {cfg} WRONG: rel err {err:.1e}")
-                                continue
-                            t = _time_us(lambda cfg=cfg: G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=bf, **cfg),
-                                         flush="clean")
-                            g = graph_us([lambda w=w, cfg=cfg: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
-                                          for w in wts])
-                        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-                            if "out of resource" not in str(exc):
-                                print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
-                            continue
-                        res.append((max(t, g), t, g, cfg))
+                        got = _decode_cfg_times(xd, xs, wts, ref, cfg, one_call=True)
+                        if got is not None:
+                            _, g, t = got
+                            res.append((max(t, g), t, g, cfg))
             res.sort(key=lambda r: r[0])
             for _, t, g, cfg in res[:8]:
                 print(f"      one call {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s | graph {g:6.2f} us "
