@@ -30,36 +30,19 @@ CHECKS = {
 }
 
 
-def _allow_tensor_loop_bounds() -> bool:
-    """Make the interpreter's tensor.__index__ accept one-element arrays; False if its hook is missing."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
-    patch = getattr(interp, "_patch_lang_tensor", None)
-    if patch is None:
-        return False
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-    return True
-
-
 def main(names: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    if not _allow_tensor_loop_bounds():
-        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
-        return 3
     root = Path(__file__).resolve().parent
     sys.path[:0] = [str(root.parent), str(root)]
+    from interpret_util import allow_tensor_loop_bounds, run_checks
+
+    if not allow_tensor_loop_bounds():
+        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
+        return 3
     import pytest
     import test_attention_gpu as t
-
-    from interpret_util import run_checks
 
     t.DEV = "cpu"
 
