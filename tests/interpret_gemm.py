@@ -20,7 +20,6 @@ anything else: a failure.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -130,17 +129,11 @@ def run(name: str) -> None:
 
 
 def main(names: list[str]) -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
-    from interpret_util import allow_tensor_loop_bounds, run_checks
+    from interpret_util import script_main
 
-    if not allow_tensor_loop_bounds():
-        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
-        return 3
-    return run_checks(names or CHECKS, run)
+    return script_main(names, CHECKS, run)
 
 
 if __name__ == "__main__":

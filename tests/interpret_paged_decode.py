@@ -18,7 +18,6 @@ interpreter lacks the hook this relies on (the caller skips); anything else: a f
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -31,22 +30,15 @@ CHECKS = {
 
 
 def main(names: list[str]) -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
     root = Path(__file__).resolve().parent
     sys.path[:0] = [str(root.parent), str(root)]
-    from interpret_util import allow_tensor_loop_bounds, run_checks
-
-    if not allow_tensor_loop_bounds():
-        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
-        return 3
-    import pytest
-    import test_attention_gpu as t
-
-    t.DEV = "cpu"
+    from interpret_util import script_main
 
     def check(name: str) -> None:
+        import pytest
+        import test_attention_gpu as t
+
+        t.DEV = "cpu"
         fn, args = CHECKS[name]
         if args == ("monkeypatch",):
             with pytest.MonkeyPatch.context() as mp:
@@ -54,7 +46,7 @@ def main(names: list[str]) -> int:
         else:
             getattr(t, fn)(*args)
 
-    return run_checks(names or list(CHECKS), check)
+    return script_main(names, list(CHECKS), check)
 
 
 if __name__ == "__main__":

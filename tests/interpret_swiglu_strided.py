@@ -11,7 +11,6 @@ status 0: every check printed "ok NAME"; anything else: a failure.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -104,14 +103,11 @@ def run(name: str) -> None:
 
 
 def main(names: list[str]) -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]
-    from interpret_util import run_checks
+    from interpret_util import script_main
 
-    return run_checks(names or CHECKS, run)
+    return script_main(names, CHECKS, run, loop_bounds=False)
 
 
 if __name__ == "__main__":

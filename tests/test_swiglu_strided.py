@@ -3,12 +3,11 @@ under the Triton interpreter in a subprocess (tests/interpret_swiglu_strided.py)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpret_util import assert_script_checks
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
@@ -19,14 +18,7 @@ SCRIPT = Path(__file__).resolve().parent / "interpret_swiglu_strided.py"
 def test_swiglu_quant_strided_views_under_the_interpreter():
     """Every check prints "ok NAME": a kernel reading the up half at the gate's offset, or at K instead of the row
     stride, gives other bits than the same kernel on contiguous copies."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import interpret_swiglu_strided as helper
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in helper.CHECKS:
-        assert f"ok {name}" in proc.stdout, proc.stdout
+    assert_script_checks(SCRIPT)
 
 
 def test_row_view_keeps_gemm_halves_in_place_and_copies_the_rest():
