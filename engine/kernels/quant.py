@@ -366,16 +366,15 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_group
 
 
 # --------------------------------------------------------------------- wrappers
-def _launch_shape(x: torch.Tensor, name: str = "x", strided: bool = False) -> tuple[int, int, int]:
-    """(rows, K, groups) for a (..., K) CUDA tensor (CPU under TRITON_INTERPRET=1): contiguous, or with
-    `strided` a (rows, K) `_row_view` (rows at any stride, columns contiguous)."""
+def _check_device(x: torch.Tensor, name: str) -> None:
+    """The Triton quant kernels run on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)."""
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError(f"{name}: the Triton quant kernels need CUDA tensors (got device {x.device})")
-    if strided:
-        if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-            raise ValueError(f"{name}: needs a (rows, K) view with contiguous columns, got shape {tuple(x.shape)} "
-                             f"strides {x.stride()}")
-        return x.shape[0], x.shape[1], triton.cdiv(x.shape[1], GROUP)
+
+
+def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
+    """(rows, K, groups) for a contiguous (..., K) CUDA tensor (CPU under TRITON_INTERPRET=1)."""
+    _check_device(x, name)
     if not x.is_contiguous() or x.dim() < 1:
         raise ValueError(f"{name}: needs a contiguous (..., K) tensor, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}; call .contiguous() first")
@@ -594,8 +593,10 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
     if gate.shape != up.shape or gate.device != up.device:
         raise ValueError(f"swiglu_quant: gate {tuple(gate.shape)} on {gate.device} and up {tuple(up.shape)} on "
                          f"{up.device} must have one shape and device")
-    g2, u2 = _row_view(gate), _row_view(up)
-    rows, k, groups = _launch_shape(g2, "gate", strided=True)
+    _check_device(gate, "gate")
+    g2, u2 = _row_view(gate), _row_view(up)  # (rows, K), columns contiguous
+    rows, k = g2.shape
+    groups = triton.cdiv(k, GROUP)
     d = SWIGLU_DEFAULTS
     bm = _pow2_knob("bm", _default_bm(d["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 64)
