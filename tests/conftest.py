@@ -8,7 +8,33 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.interpret_util import INTERPRET, patch_interpreter
+
 REPO = Path(__file__).resolve().parents[1]
+_INTERPRETER_UNPATCHED: list[str] = []  # why the interpreter could not be patched (TRITON_INTERPRET=1 runs)
+
+
+def pytest_configure(config):
+    if INTERPRET:
+        why = patch_interpreter()
+        if why:
+            _INTERPRETER_UNPATCHED.append(why)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests (marker `gpu`) skip without CUDA. Under TRITON_INTERPRET=1 only those also marked `interpreter` run,
+    on CPU tensors through the patched interpreter (tests/interpret_util.py); the others skip."""
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        if INTERPRET:
+            if item.get_closest_marker("interpreter") is None:
+                item.add_marker(pytest.mark.skip(reason="TRITON_INTERPRET=1: not marked `interpreter` (needs the GPU)"))
+            elif _INTERPRETER_UNPATCHED:
+                item.add_marker(pytest.mark.skip(reason=f"cannot patch the interpreter: {_INTERPRETER_UNPATCHED[0]}"))
+        elif not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 def shared_data_dir() -> Path | None:

@@ -6,9 +6,9 @@
 so it needs a fresh process). CI has no GPU, so this is where the kernels' index arithmetic is exercised there:
 `_fp8_block_gemm_kernel` (tiles, K splits with a short last split, the fused in-kernel reduce and the separate
 reduce kernel, masks for N, M and K off the tile grid, bias, the bf16 rounding epilogue), the knob sets of every
-committed `DECODE_CONFIGS` entry, and the M = 1 GEMV kernel. Not here: the MX dequant-in-kernel GEMM, whose bf16
-tiles the interpreter multiplies as raw 16-bit integers (outputs ~1e11), and the Gluon whole-K kernel (no
-interpreter for Gluon; its entries run their split-K fallback, as off the H200).
+committed `DECODE_CONFIGS` entry, and the M = 1 GEMV kernel. Not here: the Gluon whole-K kernel (no interpreter for
+Gluon; its entries run their split-K fallback, as off the H200). The MX dequant-in-kernel GEMM runs under the
+interpreter through test_gemm_gpu.py's tests marked `interpreter` (tests/test_gpu_tests_interpreter.py).
 
 Operands carry per-block magnitudes spread over 2**-4 .. 2**4, so a kernel that applies the scale of the wrong
 block, or drops or repeats a K group, misses the float64 reference by orders of magnitude more than the
@@ -96,10 +96,13 @@ def run(name: str) -> None:
             out = G.fp8_block_gemm_triton(*ops, bias=bias, out_dtype=f32, **kw)
             assert _rel(out, ref) <= TOL, f"bias, split_k={split} fused={fused}: rel err {_rel(out, ref):.2e}"
             # the epilogue's / reduce's rounding to bf16 values (fp32 carrier) = torch's round-to-nearest-even of
-            # the same fp32 output (the interpreter's own bf16 stores truncate, so not its out_dtype=bf16 output)
+            # the same fp32 output = the kernel's own bf16 output (its store rounds as the GPU's cvt.rn.bf16.f32:
+            # interpret_util.faithful_floats)
             rounded = G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), bias, f32, round_bf16=True, **kw)
             assert not _same_bits(rounded, out), "rounding to bf16 values changed nothing"
             assert _same_bits(rounded, out.to(torch.bfloat16).float()), f"split_k={split} fused={fused}: bf16 rounding"
+            as_bf16 = G.fp8_block_gemm_triton(*ops, bias=bias, out_dtype=torch.bfloat16, **kw)
+            assert torch.equal(as_bf16.float(), rounded), f"split_k={split} fused={fused}: bf16 output"
     elif name == "decode_config_knob_sets":  # every committed entry's knobs (whole_k: its split-K fallback here)
         seen = set()
         for (_, n, k, bm), knobs in G.DECODE_CONFIGS.items():

@@ -1,8 +1,11 @@
-"""What the interpreter helper scripts (tests/interpret_*.py) and the tests running them share.
+"""What the interpreter runs of the Triton kernels on the CPU share: the helper scripts (tests/interpret_*.py) and
+the tests running them, and the GPU test modules' interpreter-safe tests (marker `interpreter`, run by
+tests/test_gpu_tests_interpreter.py through pytest under TRITON_INTERPRET=1; tests/conftest.py patches the
+interpreter with `patch_interpreter` and skips the other GPU tests there).
 
 A script runs its checks on CPU tensors under TRITON_INTERPRET=1 (`script_main`: every named check prints
 "ok NAME (T s)", or its traceback and "FAILED NAME"; exit status 0 all passed, 1 a failure, 2 not under the
-interpreter, 3 the interpreter lacks the hook `allow_tensor_loop_bounds` needs). Its test runs it in a subprocess
+interpreter, 3 the interpreter lacks a hook that `allow_tensor_loop_bounds` or `faithful_floats` patches). Its test runs it in a subprocess
 (`assert_script_checks`), because the interpreter is chosen when the kernels are decorated: a fresh process."""
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import time
 import traceback
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+# A CPU run of the kernels under the Triton interpreter: the GPU test modules then put their tensors on the CPU.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+GPU_TEST_DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def run_checks(names: Iterable[str], check: Callable[[str], None]) -> int:
@@ -51,14 +58,139 @@ def allow_tensor_loop_bounds() -> bool:
     return True
 
 
+def _bf16_bits_to_f32(bits):
+    """bf16 bit patterns (uint16 array) -> their exact fp32 values."""
+    import numpy as np
+
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits(x):
+    """fp32 values -> bf16 bit patterns, rounded to nearest even as the GPU's cvt.rn.bf16.f32 (overflow to inf,
+    NaN stays a quiet NaN of the same sign)."""
+    import numpy as np
+
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, ((b >> 16) | 0x40).astype(np.uint16), r)
+
+
+def _fp8_types():
+    """Triton FP8 type -> (torch dtype, largest finite value)."""
+    import torch
+    import triton.language as tl
+
+    return {tl.float8e4nv: (torch.float8_e4m3fn, 448.0), tl.float8e5: (torch.float8_e5m2, 57344.0)}
+
+
+def _fp8_bits_to_f32(bits, ty):
+    """FP8 bit patterns (uint8 array) of Triton type ty -> their exact fp32 values (NaN codes to NaN)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(_fp8_types()[ty][0]).float().numpy()
+
+
+def _f32_to_fp8_bits(x, ty):
+    """fp32 values -> FP8 bit patterns as the GPU's cvt.rn.satfinite.{e4m3,e5m2}x2.f32: nearest even, finite values
+    and infinities beyond the format's range saturate to its largest finite value, NaN of either sign becomes the
+    code 0x7F."""
+    import numpy as np
+    import torch
+
+    dtype, top = _fp8_types()[ty]
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    bits = t.clamp(-top, top).to(dtype).view(torch.uint8)
+    return torch.where(torch.isnan(t), 0x7F, bits).to(torch.uint8).numpy()  # the GPU's NaN: 0x7F, either sign
+
+
+def _widen(t, handle):
+    """A bf16 / FP8 interpreter tensor as its exact fp32 values (others as they are)."""
+    import triton.language as tl
+
+    ty = t.dtype.scalar
+    if ty == tl.bfloat16:
+        return handle(_bf16_bits_to_f32(t.data), tl.float32)
+    if ty in _fp8_types():
+        return handle(_fp8_bits_to_f32(t.data, ty), tl.float32)
+    return t
+
+
+def faithful_floats() -> bool:
+    """Make the interpreter's bf16 and FP8 arithmetic the sm_90 GPU's (False if its builder hooks are missing).
+    Triton 3.6's interpreter stores bf16 / FP8 as uint16 / uint8 bit patterns and
+      (1) multiplies bf16 `tl.dot` operands as those integers (outputs ~1e11);
+      (2) rounds fp32 -> bf16 by truncation;
+      (3) converts to and from FP8 through a generic float converter: no saturation, no carry of a rounded-up
+          mantissa into the exponent, E4M3's NaN code read as 480.
+    Here dot operands are widened exactly to fp32 (the tensor core's products are exact, its accumulation fp32),
+    fp32 -> bf16 rounds to nearest even (cvt.rn.bf16.f32), and fp32 <-> E4M3 / E5M2 is the GPU's
+    cvt.rn.satfinite conversion, through torch's exact casts (tests/test_interpret_util.py checks all three
+    against torch on adversarial values)."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    builder = getattr(interp, "InterpreterBuilder", None)
+    handle = getattr(interp, "TensorHandle", None)
+    hooks = ("create_dot", "cast_impl", "create_fp_to_fp")
+    if builder is None or handle is None or not all(hasattr(builder, h) for h in hooks):
+        return False
+    if getattr(builder, "_faithful_floats", False):
+        return True
+    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
+    narrow = (tl.float32, tl.float16, tl.bfloat16)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if {a.dtype.scalar, b.dtype.scalar} & {tl.bfloat16, *_fp8_types()}:
+            a, b = _widen(a, handle), _widen(b, handle)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if src_ty == tl.float32 and dst_ty == tl.bfloat16:
+            return handle(_f32_to_bf16_bits(src.data), tl.bfloat16)
+        if src_ty == tl.bfloat16 and dst_ty == tl.float32:
+            return handle(_bf16_bits_to_f32(src.data), tl.float32)
+        return cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        import numpy as np
+
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if dst_ty in _fp8_types() and src_ty in narrow and rounding_mode in (None, interp._ir.ROUNDING_MODE.RTNE):
+            wide = _widen(src, handle).data.astype(np.float32)
+            return handle(_f32_to_fp8_bits(wide, dst_ty), dst_ty)
+        if src_ty in _fp8_types() and dst_ty in narrow:
+            wide = handle(_fp8_bits_to_f32(src.data, src_ty), tl.float32)  # exact in each narrow type
+            return wide if dst_ty == tl.float32 else self.cast_impl(wide, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.create_dot, builder.cast_impl, builder.create_fp_to_fp = create_dot, cast_impl, create_fp_to_fp
+    builder._faithful_floats = True
+    return True
+
+def patch_interpreter() -> str | None:
+    """Both patches (`allow_tensor_loop_bounds`, `faithful_floats`); None, or why one could not be applied."""
+    if not allow_tensor_loop_bounds():
+        return "triton.runtime.interpreter has no _patch_lang_tensor"
+    if not faithful_floats():
+        return "triton.runtime.interpreter's InterpreterBuilder has no create_dot / cast_impl / create_fp_to_fp"
+    return None
+
+
 def script_main(names: Sequence[str], checks: Sequence[str], check: Callable[[str], None],
                 loop_bounds: bool = True) -> int:
-    """A helper script's main: the named checks (all when none are named) under the interpreter; exit status above."""
+    """A helper script's main: the named checks (all when none are named) under the interpreter with `faithful_floats`
+    (and `allow_tensor_loop_bounds` unless loop_bounds is False); exit status above."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     if loop_bounds and not allow_tensor_loop_bounds():
         print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
+        return 3
+    if not faithful_floats():
+        print("SKIP: triton.runtime.interpreter's InterpreterBuilder has no create_dot / cast_impl / create_fp_to_fp")
         return 3
     return run_checks(list(names) or list(checks), check)
 

@@ -17,9 +17,12 @@ import math
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.interpret_util import GPU_TEST_DEVICE
 
-DEV = "cuda"  # a CPU run under TRITON_INTERPRET=1 overrides this from a dev script
+# skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]  # every test also runs interpreted on the CPU
+
+DEV = GPU_TEST_DEVICE  # "cpu" under TRITON_INTERPRET=1
 TOL = 1.5e-2
 DISCRIM = 0.1
 

@@ -1,16 +1,20 @@
 """The Triton error-statistics fold (evalharness.evals.errorstats_triton) against its pure-torch reference
 (`fold_reference`) on the GPU: same counts and histogram, sums to float64 rounding, no host sync.
 
-Also runnable on a CPU under TRITON_INTERPRET=1 with DEV = "cpu" (set from a dev script; small n only)."""
+The tests marked `interpreter` (small n) also run on the CPU under TRITON_INTERPRET=1
+(tests/test_gpu_tests_interpreter.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.interpret_util import GPU_TEST_DEVICE
 
-DEV = "cuda"  # a CPU run under TRITON_INTERPRET=1 overrides this from a dev script
+# skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
+pytestmark = pytest.mark.gpu
+
+DEV = GPU_TEST_DEVICE  # "cpu" under TRITON_INTERPRET=1
 
 
 def _pair(n: int, seed: int, dtype=torch.float32, nonfinite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +43,11 @@ def _fold_both(e, r, **knobs):
     return out
 
 
-@pytest.mark.parametrize("n,dtype,block", [(1, torch.float32, None), (1000, torch.float32, None),
-                                           (70_001, torch.bfloat16, None), (40_000, torch.float32, 16),
-                                           (3_000_000, torch.float32, None)])
+@pytest.mark.parametrize("n,dtype,block", [
+    pytest.param(*case, marks=pytest.mark.interpreter) for case in ((1, torch.float32, None), (1000, torch.float32, None),
+                                                                     (70_001, torch.bfloat16, None),
+                                                                     (40_000, torch.float32, 16))] + [
+    (3_000_000, torch.float32, None)])
 def test_fold_kernel_matches_reference(n, dtype, block):
     """Counts and maxima exact, histogram equal (bin-edge ties aside: at most 2 elements moved), sums 1e-12."""
     pytest.importorskip("triton")
@@ -80,6 +86,7 @@ def test_accumulator_on_cuda_uses_kernel_without_sync():
     assert a["nonfinite_frac"] == pytest.approx(3 / 200_000)
 
 
+@pytest.mark.interpreter
 def test_fold_rejects_bad_input():
     pytest.importorskip("triton")
     from evalharness.evals.errorstats_triton import fold

@@ -20,7 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.interpret_util import GPU_TEST_DEVICE
+
+# skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
+pytestmark = pytest.mark.gpu
+DEV = GPU_TEST_DEVICE  # "cpu" under TRITON_INTERPRET=1
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 2e-3}
 TOL_MX_EXACT_FP32 = 1e-4
@@ -46,9 +50,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _blocky(rows: int, cols: int, r: int, c: int, seed: int) -> torch.Tensor:
     """Gaussian (rows, cols) times a per-(r x c)-block magnitude 2**U{-4..4}."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, cols, device="cuda", generator=g)
-    mag = torch.exp2(torch.randint(-4, 5, (-(-rows // r), -(-cols // c)), device="cuda", generator=g).float())
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(rows, cols, device=DEV, generator=g)
+    mag = torch.exp2(torch.randint(-4, 5, (-(-rows // r), -(-cols // c)), device=DEV, generator=g).float())
     return x * mag.repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
 
 
@@ -64,6 +68,7 @@ def _block_operands(m: int, n: int, k: int, seed: int = 0):
 
 
 # ------------------------------------------------------------------ FP8 block
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", M_SET)
 @pytest.mark.parametrize("nk", [(256, 512), (200, 320), (136, 1000)])  # N % 128 != 0, K % 128 != 0, K % 16 != 0
 def test_fp8_block_linear_random(G, m, nk):
@@ -78,12 +83,13 @@ def test_fp8_block_linear_random(G, m, nk):
         assert err <= TOL[dt], f"M={m} N={n} K={k} {dt}: rel err {err:.3e} > {TOL[dt]}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [3, 64, 130])
 def test_fp8_block_linear_bias_and_leading_dims(G, m):
     """Bias (N,) is added once; (B, T, K) activations give (B, T, N)."""
     n, k = 192, 384
     xd, xs, wd, ws = _block_operands(2 * m, n, k, seed=7)
-    bias = torch.randn(n, device="cuda") * 4
+    bias = torch.randn(n, device=DEV) * 4
     x3, s3 = xd.reshape(2, m, k), xs.reshape(2, m, -1)
     out = G.fp8_block_linear(x3, s3, wd, ws, bias=bias, out_dtype=torch.float32)
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
@@ -91,6 +97,7 @@ def test_fp8_block_linear_bias_and_leading_dims(G, m):
     assert _rel(out.reshape(2 * m, n), ref) <= TOL[torch.float32]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 5, 64, 65, 128])
 def test_fp8_block_linear_adversarial(G, m):
     """Zero rows give exact zeros; amax at 448 (every element +-448) and all-zero K groups stay accurate."""
@@ -105,18 +112,19 @@ def test_fp8_block_linear_adversarial(G, m):
     assert torch.equal(out[0], torch.zeros_like(out[0])), "a zero activation row must give an exact zero row"
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
     assert _rel(out, ref) <= TOL[torch.bfloat16]
-    g = torch.Generator(device="cuda").manual_seed(3)
-    sign = lambda r, c: torch.where(torch.rand(r, c, device="cuda", generator=g) < 0.5, -448.0, 448.0)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    sign = lambda r, c: torch.where(torch.rand(r, c, device=DEV, generator=g) < 0.5, -448.0, 448.0)
     xd448 = sign(m, k).to(torch.float8_e4m3fn)
     wd448 = sign(n, k).to(torch.float8_e4m3fn)
-    xs448 = torch.rand(m, 5, device="cuda", generator=g) + 0.5
-    ws448 = torch.rand(2, 5, device="cuda", generator=g) + 0.5
+    xs448 = torch.rand(m, 5, device=DEV, generator=g) + 0.5
+    ws448 = torch.rand(2, 5, device=DEV, generator=g) + 0.5
     out = G.fp8_block_linear(xd448, xs448, wd448, ws448, out_dtype=torch.float32)
     ref = G.fp8_block_linear_reference(xd448, xs448, wd448, ws448, out_dtype=torch.float32)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) <= TOL[torch.float32]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 4, 16, 63, 64])
 @pytest.mark.parametrize("nk", [(512, 1024), (200, 896)])
 def test_small_m_kernel_matches_large_m_path(G, m, nk):
@@ -131,6 +139,7 @@ def test_small_m_kernel_matches_large_m_path(G, m, nk):
     assert not torch.equal(small, torch.zeros_like(small))
 
 
+@pytest.mark.interpreter
 def test_split_k_is_deterministic_and_consistent(G):
     """Split-K changes only the fp32 summation order; the same call twice gives the same bits."""
     xd, xs, wd, ws = _block_operands(4, 256, 2048, seed=9)
@@ -142,6 +151,7 @@ def test_split_k_is_deterministic_and_consistent(G):
     assert not torch.equal(one, torch.zeros_like(one))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 4, 16, 40])
 @pytest.mark.parametrize("fused", [True, False])
 def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
@@ -149,7 +159,7 @@ def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
     to fp32, with and without bias, on the split-K Triton path (fused and separate reduce) and on cuBLAS (m = 40
     with small_m = 16); the fused reduce equals the separate one."""
     xd, xs, wd, ws = _block_operands(m, 768, 4096, seed=21)
-    bias = torch.randn(768, device="cuda")
+    bias = torch.randn(768, device=DEV)
     for b in (None, bias):
         if m <= 16:
             want = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
@@ -175,7 +185,7 @@ def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
     masked; GEMV_M1 = False restores the split-K kernel."""
     n, k = nk
     xd, xs, wd, ws = _block_operands(1, n, k, seed=n + k)
-    bias = torch.randn(n, device="cuda")
+    bias = torch.randn(n, device=DEV)
     calls = []
     real = G._launch_gemv
     monkeypatch.setattr(G, "_launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -220,6 +230,7 @@ def test_gemv_configs_entry_is_dispatched(G, monkeypatch):
         assert _rel(out, ref) <= 1e-4
 
 
+@pytest.mark.interpreter
 def test_triton_large_m_fallback(G):
     """The Triton kernel with large tiles (used when cuBLAS refuses) is accurate too."""
     xd, xs, wd, ws = _block_operands(200, 264, 1152, seed=13)
@@ -291,6 +302,7 @@ def test_legacy_call_is_right_when_k_over_128_is_a_multiple_of_4(G):
     assert _rel(out, ref) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.interpreter
 def test_bad_operands_raise_clear_errors(G):
     """Wrong dtypes / scale shapes name the tensor and the expected layout."""
     xd, xs, wd, ws = _block_operands(4, 256, 512)
@@ -305,15 +317,16 @@ def test_bad_operands_raise_clear_errors(G):
 
 
 # ------------------------------------------------------------------ FP8 per-tensor
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 5, 64, 65, 128])
 def test_fp8_tensor_linear(G, m):
     """Per-tensor FP8: Triton for M <= 64, cuBLAS tensor-wise above; with bias; N, K not multiples of 16."""
     from engine.formats import quantize
 
     for n, k in [(256, 512), (200, 328)]:
-        xq = quantize(torch.randn(m, k, device="cuda") * 3, "e4m3:tensor")
-        wq = quantize(torch.randn(n, k, device="cuda") / 7, "e4m3:tensor")
-        bias = torch.randn(n, device="cuda")
+        xq = quantize(torch.randn(m, k, device=DEV) * 3, "e4m3:tensor")
+        wq = quantize(torch.randn(n, k, device=DEV) / 7, "e4m3:tensor")
+        bias = torch.randn(n, device=DEV)
         for dt in (torch.bfloat16, torch.float32):
             out = G.fp8_tensor_linear(xq.data, xq.scale, wq.data, wq.scale, bias=bias, out_dtype=dt)
             ref = G.fp8_tensor_linear_reference(xq.data, xq.scale, wq.data, wq.scale, bias=bias,
@@ -322,6 +335,7 @@ def test_fp8_tensor_linear(G, m):
 
 
 # ------------------------------------------------------------------ MX / NVFP4
+@pytest.mark.interpreter
 @pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4"])
 def test_prepared_mx_weight_dequantizes_bit_exactly(G, spec):
     """Repacking (FP4 nibbles, 1-byte scale codes, K padding) loses nothing: same fp32 bits as QTensor.dequantize."""
@@ -354,7 +368,7 @@ def _check_mx(G, wspec: str, xkind: str, m: int, dtypes) -> None:
     wq = quantize(_blocky(n, k, 1, 32, seed=m + 1), wspec)
     wp = G.prepare_mx_weight(wq)
     args, kw = _mx_x(xkind, m, k, seed=m)
-    bias = torch.randn(n, device="cuda")
+    bias = torch.randn(n, device=DEV)
     ref = G.mx_linear_reference(*args, wp, bias=bias, out_dtype=torch.float32, **kw)
     for dt in dtypes:
         tol = TOL[dt] if dt != torch.float32 else TOL_MX_ROUNDED_X if xkind == "fp32" else TOL_MX_EXACT_FP32
@@ -364,6 +378,7 @@ def _check_mx(G, wspec: str, xkind: str, m: int, dtypes) -> None:
         assert err <= tol, f"{xkind} x {wspec} M={m} {dt}: rel err {err:.3e} > {tol}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("wspec", ["mxfp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("xkind", ["mxfp8", "mxfp8_raw", "bf16", "fp32"])
 @pytest.mark.parametrize("m", [1, 65])
@@ -372,6 +387,7 @@ def test_mx_linear(G, wspec, xkind, m):
     _check_mx(G, wspec, xkind, m, (torch.float32,))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("bf16", "nvfp4"), ("bf16", "mxfp4")])
 @pytest.mark.parametrize("m", [2, 3, 5, 63, 64, 200])
 def test_mx_linear_m_sweep(G, pair, m):
@@ -380,6 +396,7 @@ def test_mx_linear_m_sweep(G, pair, m):
     _check_mx(G, wspec, xkind, m, (torch.bfloat16,))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("wspec", ["mxfp4", "nvfp4"])
 def test_mx_linear_split_k_and_adversarial(G, wspec):
     """Forced split-K (the NVFP4 tensor scale then lives in the reduction), zero rows exact, a huge

@@ -12,9 +12,8 @@
   scaled by 2**+-60), fold_v_scale and the tile knobs stay within the attention tolerance of the FP32
   reference.
 
-DEV / LIBRARY_BITS: a CPU run under TRITON_INTERPRET=1 (a dev script) sets DEV = "cpu" and
-LIBRARY_BITS = False (the interpreter's fp8 casts differ from the GPU's, so only kernel-vs-kernel bits
-are compared there).
+The tests marked `interpreter` also run on the CPU under TRITON_INTERPRET=1 (tests/test_gpu_tests_interpreter.py),
+with the interpreter's bf16 / FP8 arithmetic made the GPU's (tests/interpret_util.py: `faithful_floats`).
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.interpret_util import GPU_TEST_DEVICE
 
-DEV = "cuda"
-LIBRARY_BITS = True
+# skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
+pytestmark = pytest.mark.gpu
+
+DEV = GPU_TEST_DEVICE  # "cpu" under TRITON_INTERPRET=1
 ATT_TOL = 1.5e-2  # tests/test_attention_gpu.py: max |out - ref| <= 1.5e-2 * max |ref|
 GEMM_TOL = 2e-3  # tests/test_gemm_gpu.py, fp32 output of the FP8 tensor-core path
 
@@ -56,17 +57,18 @@ RMS_CONFIGS = [dict(), dict(single_pass=True), dict(single_pass=False, gb=2, num
                dict(mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", [(5, 1000), (9, 7168)])
 def test_rmsnorm_quant_every_tiling_is_library_exact(shape):
     """Each mode / tiling: quantization bit-exact on its own normed values, normed values within 4e-6 of torch."""
-    from engine.kernels.quant import act_quant, act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
+    from engine.kernels.quant import act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference
 
     x = _heavy(*shape, seed=shape[1]).to(torch.bfloat16).contiguous()
     w = (0.5 + torch.rand(shape[1], generator=torch.Generator().manual_seed(1))).to(DEV)
     _, _, href = rmsnorm_quant_reference(x, w, 1e-5)
     for cfg in RMS_CONFIGS:
         d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True, **cfg)
-        rd, rs = act_quant_reference(h) if LIBRARY_BITS else act_quant(h)
+        rd, rs = act_quant_reference(h)
         assert torch.equal(_bits(d), _bits(rd)) and torch.equal(s.view(torch.int32), rs.view(torch.int32)), cfg
         rel = ((h - href).abs() / href.abs().clamp_min(1e-30))[href != 0].max().item()
         assert rel < 4e-6, (cfg, rel)
@@ -74,6 +76,7 @@ def test_rmsnorm_quant_every_tiling_is_library_exact(shape):
         assert torch.equal(_bits(d2), _bits(d)) and torch.equal(s2, s), cfg
 
 
+@pytest.mark.interpreter
 def test_act_and_swiglu_tilings_same_bits():
     """Tilings never change act_quant / SwiGLU bits; the IEEE silu (fast_silu=False) is within 2e-5 of torch too."""
     from engine.kernels.quant import act_quant, swiglu_quant, swiglu_quant_reference
@@ -94,6 +97,7 @@ def test_act_and_swiglu_tilings_same_bits():
         assert torch.allclose(h, href, rtol=2e-5, atol=1e-30)
 
 
+@pytest.mark.interpreter
 def test_quant_knobs_reject_bad_values():
     """Non power-of-two tilings and one-pass rows wider than 16384 raise clear errors."""
     from engine.kernels.quant import act_quant, rmsnorm_quant
@@ -127,6 +131,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 5])
 def test_fp8_gemm_knobs_and_fused_reduce(m):
     """block_n / split_k / warps / stages within tolerance; fused split-K reduce == two-kernel path, bit for bit."""
@@ -276,6 +281,7 @@ def test_cluster_reduce_in_a_graph_with_and_without_pdl(cluster_launches):
     assert cluster_launches == [4] * 4
 
 
+@pytest.mark.interpreter
 def test_decode_configs_entry_is_dispatched(monkeypatch):
     """fp8_block_linear runs a DECODE_CONFIGS entry for (device, N, K, BM) exactly as the explicit knobs do."""
     from engine.kernels import gemm as G
@@ -338,6 +344,7 @@ def _att_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("page,window", [(16, None), (64, 300)])
 def test_paged_decode_knobs_within_tolerance(page, window):
     """Every numerics flag / tile knob combination stays within the attention tolerance of the FP32 reference."""
@@ -354,6 +361,7 @@ def test_paged_decode_knobs_within_tolerance(page, window):
         assert torch.isfinite(out).all() and _att_rel(out, ref) <= ATT_TOL, (cfg, _att_rel(out, ref))
 
 
+@pytest.mark.interpreter
 def test_paged_decode_qk_fp16_is_exact_for_extreme_q():
     """qk_fp16 rescales each q row by a power of two: rows of magnitude 2**-60 and 2**60 give the same output
     as the bf16 path (products are exact either way; only the fp32 accumulation order may differ)."""

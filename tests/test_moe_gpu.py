@@ -16,7 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from tests.interpret_util import GPU_TEST_DEVICE
+
+# skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
+pytestmark = pytest.mark.gpu
+DEV = GPU_TEST_DEVICE  # "cpu" under TRITON_INTERPRET=1
 pytest.importorskip("triton")
 
 GEMM_TOL = 2e-2
@@ -30,8 +34,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _ids(n: int, e: int, k: int, empty: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of random logits: (weights (n, k) fp32, ids (n, k) int64); experts in `empty` get no token."""
     assert e - len(empty) >= k, "cannot leave experts empty when every token needs k of them"
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(n, e, device="cuda", generator=g) * 2.0  # uneven expert loads
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = torch.randn(n, e, device=DEV, generator=g) * 2.0  # uneven expert loads
     if empty:
         logits[:, list(empty)] = -1e9
     ids = logits.topk(k, dim=-1).indices
@@ -44,10 +48,10 @@ def _case(e: int, k: int, n: int, d: int, inter: int, empty: tuple[int, ...] = (
     from engine.kernels.moe import stack_expert_weights
 
     torch.manual_seed(seed)
-    xq = quantize(torch.randn(n, d, device="cuda"), "e4m3:1x128")
+    xq = quantize(torch.randn(n, d, device=DEV), "e4m3:1x128")
 
     def stack(rows: int, cols: int):
-        return stack_expert_weights([quantize(torch.randn(rows, cols, device="cuda") / cols ** 0.5, "e4m3:128x128")
+        return stack_expert_weights([quantize(torch.randn(rows, cols, device=DEV) / cols ** 0.5, "e4m3:128x128")
                                      for _ in range(e)])
 
     weights, ids = _ids(n, e, k, empty, seed)
@@ -55,6 +59,7 @@ def _case(e: int, k: int, n: int, d: int, inter: int, empty: tuple[int, ...] = (
 
 
 # ------------------------------------------------------------------------ sort
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("e", [8, 64])
 def test_sort_by_expert_equals_dispatch_plan(k, e):
@@ -67,16 +72,17 @@ def test_sort_by_expert_equals_dispatch_plan(k, e):
     plan = sort_by_expert(ids, e)
     ref = dispatch_plan(ids, e)
     assert torch.equal(plan.order, ref.order) and torch.equal(plan.token, ref.token)
-    assert plan.offsets.dtype == torch.int32 and plan.offsets.is_cuda and plan.offsets.numel() == e + 1
+    assert plan.offsets.dtype == torch.int32 and plan.offsets.device == ids.device and plan.offsets.numel() == e + 1
     assert plan.offsets.diff().tolist() == ref.counts and plan.offsets[0].item() == 0
     assert all(ref.counts[i] == 0 for i in empty)  # empty experts really exercised
-    assert torch.equal(plan.inverse[plan.order], torch.arange(ids.numel(), device="cuda"))
+    assert torch.equal(plan.inverse[plan.order], torch.arange(ids.numel(), device=DEV))
     rows = plan.token_rows  # (tokens, k): each token's sorted positions, ascending
-    assert torch.equal(plan.token[rows], torch.arange(ids.shape[0], device="cuda")[:, None].expand_as(rows))
+    assert torch.equal(plan.token[rows], torch.arange(ids.shape[0], device=DEV)[:, None].expand_as(rows))
     assert bool((rows.diff(dim=1) > 0).all())  # vacuous for k == 1 (one copy per token)
 
 
 # ------------------------------------------------------------------------ GEMM / quant pieces
+@pytest.mark.interpreter
 @pytest.mark.parametrize("d,n_out", [(256, 384), (200, 136)])
 def test_grouped_gemm_block_vs_reference(d, n_out):
     """Triton grouped blockwise GEMM = fp32 GEMM of the dequantized operands per expert segment."""
@@ -94,18 +100,19 @@ def test_grouped_gemm_block_vs_reference(d, n_out):
         assert y.dtype == out_dtype and _rel(y, ref) <= tol, (out_dtype, cfg, _rel(y, ref))
 
 
+@pytest.mark.interpreter
 def test_rowwise_quant_kernels_bit_exact():
     """Per-token requant of 1x128 rows and SwiGLU -> per-token quant give the library's e4m3:token bits."""
     from engine.formats import quantize
     from engine.kernels.moe import rowwise_requant, swiglu_rowwise_quant, swiglu_rowwise_quant_reference
 
     for n, d in ((37, 200), (5, 4096)):
-        xq = quantize(torch.randn(n, d, device="cuda") * 3.0, "e4m3:1x128")
+        xq = quantize(torch.randn(n, d, device=DEV) * 3.0, "e4m3:1x128")
         data, scale = rowwise_requant(xq.data, xq.scale.reshape(n, -1))
         ref = quantize(xq.dequantize(), "e4m3:token")
         assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
         assert torch.equal(scale.view(torch.int32), ref.scale.reshape(-1).view(torch.int32))
-    both = torch.randn(64, 2 * 176, device="cuda", dtype=torch.bfloat16)
+    both = torch.randn(64, 2 * 176, device=DEV, dtype=torch.bfloat16)
     g, u = both[:, :176], both[:, 176:]  # strided rows, as a fused gate|up output would be
     data, scale, h = swiglu_rowwise_quant(g, u, return_hp=True)
     q = quantize(h, "e4m3:token")
@@ -115,17 +122,19 @@ def test_rowwise_quant_kernels_bit_exact():
     assert _rel(h, href) < 1e-6
 
 
+@pytest.mark.interpreter
 def test_combine_matches_index_add():
     """The combine kernel sums each token's copies in the emulation's order: equal to an fp32 index_add."""
     from engine.kernels.moe import combine, combine_reference, sort_by_expert
 
     weights, ids = _ids(203, 16, 4, empty=(1,), seed=5)
     plan = sort_by_expert(ids, 16)
-    y = torch.randn(ids.numel(), 300, device="cuda").to(torch.bfloat16)
+    y = torch.randn(ids.numel(), 300, device=DEV).to(torch.bfloat16)
     assert _rel(combine(y, plan, weights), combine_reference(y, plan, weights)) <= 1e-6
 
 
 # ------------------------------------------------------------------------ whole MoE
+@pytest.mark.interpreter
 def test_reference_matches_emulation():
     """grouped_fp8_moe_reference mirrors Numerics.moe (fp8-block recipe) given the same routing."""
     from engine.config import MoeConfig
@@ -139,10 +148,10 @@ def test_reference_matches_emulation():
     cfg = MoeConfig(num_experts=e, top_k=k, intermediate_size=inter, norm_topk_prob=True)
     nx = Numerics(load_recipe("fp8-block"))
     torch.manual_seed(3)
-    x = torch.randn(n, d, device="cuda")
+    x = torch.randn(n, d, device=DEV)
     xq = nx.act_quant(x, "l.mlp.experts", site="moe.input")
-    router = torch.randn(e, d, device="cuda") / d ** 0.5
-    qs = [[quantize(torch.randn(r, c, device="cuda") / c ** 0.5, "e4m3:128x128")
+    router = torch.randn(e, d, device=DEV) / d ** 0.5
+    qs = [[quantize(torch.randn(r, c, device=DEV) / c ** 0.5, "e4m3:128x128")
            for r, c in ((inter, d), (inter, d), (d, inter))] for _ in range(e)]
     y = nx.moe(x, xq, router, None, [tuple(q.dequantize() for q in ex) for ex in qs], cfg, "l.mlp", "l.")
     weights, ids = route(nx.router(x, router, "l.mlp.gate"), cfg)
@@ -159,7 +168,8 @@ CASES = [  # (experts, k, tokens, d, inter, empty experts); d, inter multiples o
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}k{c[1]}n{c[2]}d{c[3]}i{c[4]}")
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.interpreter) for c in CASES[:3]] + CASES[3:],
+                         ids=lambda c: f"E{c[0]}k{c[1]}n{c[2]}d{c[3]}i{c[4]}")
 def test_grouped_block_vs_reference(case):
     """Triton blockwise path (recipe-faithful) vs the fp32 reference, bf16 GEMM outputs."""
     from engine.kernels.moe import grouped_fp8_moe, grouped_fp8_moe_reference
@@ -171,6 +181,7 @@ def test_grouped_block_vs_reference(case):
     assert _rel(out, ref) <= GEMM_TOL, _rel(out, ref)
 
 
+@pytest.mark.interpreter
 def test_grouped_block_odd_d():
     """d and inter not multiples of 16 (the Triton path masks K and N; rowwise cannot run these)."""
     from engine.kernels.moe import grouped_fp8_moe, grouped_fp8_moe_reference
@@ -193,7 +204,7 @@ def test_grouped_rowwise_vs_reference(case):
     assert _rel(ref, block_ref) > 1e-3  # a different format: the tolerance above is not trivially met
 
 
-@pytest.mark.parametrize("mode", ["block", "rowwise"])
+@pytest.mark.parametrize("mode", [pytest.param("block", marks=pytest.mark.interpreter), "rowwise"])
 def test_unsorted_matches_grouped(mode):
     """The naive per-expert dispatch gives the grouped path's result (same kernels, different dispatch)."""
     from engine.kernels.moe import grouped_fp8_moe, rowwise_expert_weights, unsorted_fp8_moe
