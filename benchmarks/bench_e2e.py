@@ -352,12 +352,16 @@ def main() -> None:
     ap.add_argument("--decode-configs", default=None,
                     help="a JSON file of DECODE_CONFIGS entries to add for this run (engine.kernels.gemm."
                          "load_decode_configs; e.g. probe_kernels.py --only decode_graph's decode_graph_entries.json)")
+    ap.add_argument("--decode-stages", choices=("rule", "autotune"), default=None,
+                    help="pipeline depth of decode GEMMs without an entry (engine.kernels.gemm.DECODE_STAGE_CHOICE)")
     args = ap.parse_args()
     from engine.kernels import gemm
 
     added = gemm.load_decode_configs(args.decode_configs) if args.decode_configs else {}
     if args.gemv_prefetch is not None:
         gemm.GEMV_PREFETCH_BYTES = args.gemv_prefetch
+    if args.decode_stages is not None:
+        gemm.DECODE_STAGE_CHOICE = args.decode_stages
     from engine.config import ModelConfig
     from engine.model import Transformer
     from evalharness.provenance import hardware_fingerprint
@@ -377,6 +381,7 @@ def main() -> None:
     say(f"hardware: {json.dumps(fp)}")
     bw = copy_bandwidth()
     say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
+    say(f"decode GEMM pipeline depth without an entry: {gemm.DECODE_STAGE_CHOICE}")
     for key, knobs in added.items():
         say(f"DECODE_CONFIGS entry added from {args.decode_configs}: {key} -> {knobs}")
     say(f"model: {'Qwen3-30B-A3B' if args.moe else 'Llama-3-8B'}-shaped, {cfg.num_layers} layers, random weights")

@@ -382,17 +382,17 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                             "fp8_us_graph": g8, "fp8_tbs_graph": fp8_bytes / (g8 * 1e-6) / 1e12,
                             "speedup_vs_bf16_graph": g16 / g8})
                 h8 = host_us(lambda: G.fp8_block_linear(xd, xs, wd, ws))
-                tuned = G._fp8_block_gemm_tuned.cache
                 bm, bn, _, _ = G._tiles(m)
                 pinned = G._decode_knobs(m, n, k, xd.device, {})  # a DECODE_CONFIGS entry, when one matches
                 bn = pinned.get("block_n") or bn
                 splits, _ = G._plan_split(m, n, -(-k // 128), bm, bn, xd.device, pinned.get("split_k"))
-                try:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, splits, dtypes...)
-                    cfg = next((str(c) for key, c in tuned.items() if tuple(key[:4]) == (n, k, bm, bn)
-                                and key[5] == splits), "fixed")
-                except (TypeError, IndexError):
-                    cfg = "?"
-                cfg = f"DECODE_CONFIGS {pinned}" if pinned else cfg
+                if pinned:
+                    cfg = f"DECODE_CONFIGS {pinned}"
+                elif n * k >= G.TUNE_MIN_WEIGHT and G.DECODE_STAGE_CHOICE == "rule":
+                    cfg = f"split_k={splits} num_stages={G._decode_stages(-(-n // bn) * splits, G.sm_count(xd.device))}"
+                else:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, splits, dtypes...)
+                    cfg = next((str(c) for key, c in G._fp8_block_gemm_tuned.cache.items()
+                                if tuple(key[:4]) == (n, k, bm, bn) and key[5] == splits), "fixed")
                 try:
                     tcb = time_us(lambda: G.scaled_mm_blockwise(xd, xs, wd, ws), flush="clean")
                 except Exception as exc:  # cuBLAS may refuse: the row still reports the Triton kernel

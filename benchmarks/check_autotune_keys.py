@@ -2,8 +2,9 @@
 
     python benchmarks/check_autotune_keys.py
 
-Calls 4096x14336 at M = 4 with split_k = 2 and 4 (no other knobs: the autotuned kernel) and prints the
-autotuner's cache: one entry per split count, with its pipeline depth. Exits 1 if they share one.
+Calls 4096x14336 at M = 4 with split_k = 2 and 4 (no other knobs) under `DECODE_STAGE_CHOICE = "autotune"` (the
+default since session 16 is the stage rule) and prints the autotuner's cache: one entry per split count, with its
+pipeline depth. Exits 1 if they share one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.kernels import gemm as G  # noqa: E402
 
 def main() -> int:
     xd, xs, wd, ws = fp8_block_operands(4, 4096, 14336)
+    G.DECODE_STAGE_CHOICE = "autotune"
     for s in (2, 4):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.bfloat16, split_k=s)
     torch.cuda.synchronize()

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -2349,6 +2350,60 @@ def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
             del wts
 
 
+STAGE_GRID = tuple((n, k) for n in (2048, 4096, 6144, 8192, 14336, 28672) for k in (2048, 4096, 7168, 14336)
+                   if 1 << 24 <= n * k <= 120_000_000)
+# Held-out shapes for the stage rule fitted on STAGE_GRID (`--only decode_stages_check`): Qwen2-7B gate+up / down,
+# 5120-wide attention and MLP shapes, Llama-3-70B qkv / down, two narrow ones, and the lm_heads of Llama-3-8B and
+# Qwen3-30B-A3B (which have no DECODE_CONFIGS entry).
+STAGE_CHECK = ((37888, 3584), (3584, 18944), (5120, 5120), (27648, 5120), (5120, 13824), (10240, 8192),
+               (8192, 28672), (3072, 8192), (2560, 9728), (12288, 4096), (128256, 4096), (151936, 2048))
+
+
+def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> None:
+    """Pipeline depth of the split-K kernel on decode shapes without a `DECODE_CONFIGS` entry, as a decode step runs
+    them (CUDA graph of 64 calls over weight copies, bf16 out), at the heuristic's tiles and split count: the
+    autotuner (`DECODE_STAGE_CHOICE = "autotune"`: 3 / 4 / 6 stages by `do_bench` on repeated calls after a write-flush
+    of L2; session 15 found it picking a depth slow in a graph), the stage rule in the code (`_decode_stages`, the
+    default), and fixed 3 / 4 / 6 stages. Each choice is summarized as its geometric-mean and worst ratio to the best
+    of the fixed depths per point; `benchmarks/stage_rule_eval.py` re-scores a rule against this output."""
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"\n## decode pipeline depth: us per call in a CUDA graph (64 calls over weight copies), {sms} SMs")
+    ratios: dict[str, list[float]] = {"auto": [], "rule": [], "st3": [], "st4": [], "st6": []}
+    for n, k in shapes:
+        wts = _fp8_weights(n, k)
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            bm, bn, warps, _ = G._tiles(m)
+            split = G._plan_split(m, n, -(-k // 128), bm, bn, xd.device, None)[0]
+            calls = [lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, split_k=split) for w in wts]
+            row = {}
+            G.DECODE_STAGE_CHOICE = "autotune"
+            try:
+                row["auto"] = graph_us(calls)
+            finally:
+                G.DECODE_STAGE_CHOICE = "rule"
+            picked = [c.num_stages for key, c in G._fp8_block_gemm_tuned.cache.items()
+                      if key[:6] == (n, k, bm, bn, split > 1, split)]
+            row["rule"] = graph_us(calls)
+            rule = G._decode_stages(-(-n // bn) * split, sms)
+            for st in (3, 4, 6):
+                row[f"st{st}"] = graph_us([lambda w=w, st=st: G.fp8_block_gemm_triton(
+                    xd, xs, *w, out_dtype=bf, split_k=split, num_warps=warps, num_stages=st) for w in wts])
+            best = min(row[f"st{st}"] for st in (3, 4, 6))
+            for name, t in row.items():
+                ratios[name].append(t / best)
+            cells = " ".join(f"{name}={t:6.2f}" for name, t in row.items())
+            print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm} s{split}: autotuner {picked} rule {rule} | {cells} | best "
+                  f"{n * k / best / 1e6:4.2f} TB/s", flush=True)
+        del wts
+    for name, rs in ratios.items():
+        print(f"  {name}: geomean {statistics.geometric_mean(rs):.3f}x the best fixed depth, worst {max(rs):.3f}x "
+              f"({len(rs)} points)")
+
+
 def probe_split_ab(copy_tbs: float, shapes=((7168, 16384), (6144, 14336)), ms=(4, 16), splits=(2, 4)) -> None:
     """Split counts A/B on long-K shapes near one tile per SM (BM 16): one call after a clean flush and per call in a
     CUDA graph over weight copies, each measured three times alternating between the split counts (medians)."""
@@ -2493,7 +2548,8 @@ def main() -> int:
               "gemm_cluster": probe_gemm_cluster, "gemm_cluster_launch": probe_gemm_cluster_launch,
               "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_early": probe_gemm_early,
               "decode_graph": probe_decode_graph, "decode_graph32": lambda c: probe_decode_graph(c, ms=(32,)),
-              "split_rule": probe_split_rule, "decode_dual": probe_decode_dual,
+              "split_rule": probe_split_rule, "decode_dual": probe_decode_dual, "decode_stages": probe_decode_stages,
+              "decode_stages_check": lambda c: probe_decode_stages(c, shapes=STAGE_CHECK),
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

@@ -188,3 +188,43 @@ def test_autotuner_keeps_split_counts_apart():
     """The split-K kernel's autotuner caches a pipeline depth per (N, K, BM, BN, partials, split count): a call that
     gives only split_k is tuned for its own split count, not served another's stages."""
     assert G._fp8_block_gemm_tuned.keys == ["N", "K", "BM", "BN", "USE_PART", "n_splits"]
+
+
+@pytest.mark.parametrize("programs,stages", [(1, 6), (132, 6), (133, 4), (264, 4), (265, 3), (2004, 3)])
+def test_decode_stages_by_programs_per_sm(programs, stages):
+    """The pipeline depth of decode calls without an entry: 6 stages up to one program per SM, 4 up to two, then 3."""
+    assert G._decode_stages(programs, 132) == stages
+
+
+def test_decode_stage_choice_defaults_to_the_rule():
+    assert G.DECODE_STAGE_CHOICE == "rule" and G._decode_stages(10, 0) == 3  # no SM count: treated as one SM
+
+
+def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
+    """benchmarks/stage_rule_eval.py on session 16's H200 sweeps, timed as a decode step runs: the rule in the code picks
+    within 1% of the best fixed depth (geometric mean) on the 48 points it was fitted on and within 3% on 36 held-out
+    ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails here."""
+    from benchmarks import stage_rule_eval as E
+
+    fit, check = (E.score(*E.read_probe(path), G.DECODE_STAGES) for path in E.DEFAULT)
+    assert fit["points"] == 48 and check["points"] == 36
+    assert fit["rule"][0] < 1.01 and fit["rule"][1] < 1.06 and check["rule"][0] < 1.03
+    assert fit["rule"][0] < fit["auto"][0] and check["rule"][0] < check["auto"][0]
+    assert fit["rule"][1] < fit["auto"][1] and check["rule"][1] < check["auto"][1]
+    always4 = E.score(*E.read_probe(E.DEFAULT[0]), ((float("inf"), 4),))
+    assert always4["rule"][0] > 1.04  # the best single depth is not as good: the rule's thresholds matter
+
+
+def test_stage_rule_eval_refuses_other_files(tmp_path):
+    from benchmarks import stage_rule_eval as E
+
+    bad = tmp_path / "other.txt"
+    bad.write_text("## split rule ... 132 SMs\n  4096x4096 M=4 BM=16 s2: | st3=1 st4=2 st6=3 |\n")
+    with pytest.raises(ValueError, match="other.txt: no '## decode pipeline depth"):
+        E.read_probe(bad)
+    bad.write_text("## decode pipeline depth: us per call, 132 SMs\n")
+    with pytest.raises(ValueError, match="no probe rows"):
+        E.read_probe(bad)
+    bad.write_text("## decode pipeline depth: us per call, 132 SMs\n  4096x 4096 M= 4 BM=16 s2: x | st3= 1.0 |\n")
+    with pytest.raises(ValueError, match="lacks the st3 / st4 / st6 columns"):
+        E.read_probe(bad)

@@ -50,8 +50,9 @@ through distributed shared memory; no atomic accumulation either way), so a give
 produces the same bits. The number of splits is a function of the shape and the SM count only, or of a
 ``DECODE_CONFIGS`` entry (measured configs stored as data, per device and shape; the tuning knobs
 are keyword arguments of :func:`fp8_block_gemm_triton`). Decode calls on weights of >= 2**24
-elements without an entry autotune the pipeline depth (3 configs, ~0.1 s) on their first call per
-shape: warm up before capturing a CUDA graph. No wrapper synchronizes the host.
+elements without an entry take their pipeline depth from the programs per SM (`_decode_stages`; measured as a
+decode step runs them); `DECODE_STAGE_CHOICE = "autotune"` instead times 3 depths on the first call per shape
+(~0.1 s: warm up before capturing a CUDA graph). No wrapper synchronizes the host.
 """
 
 from __future__ import annotations
@@ -390,9 +391,31 @@ def _bench_quick(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-# Decode (M <= 64) tiles on weights of >= TUNE_MIN_WEIGHT elements: only the pipeline depth is
-# tuned (it does not change the summation order); smaller weights use the fixed _tiles config.
+# Decode (M <= 64) calls without knobs or a DECODE_CONFIGS entry on weights of >= TUNE_MIN_WEIGHT elements: the
+# pipeline depth (it does not change the summation order) comes from DECODE_STAGE_CHOICE; smaller weights use the
+# fixed _tiles config.
 TUNE_MIN_WEIGHT = 1 << 24
+# "rule": `_decode_stages`, by programs per SM (session 16); "autotune": `_fp8_block_gemm_tuned`, timed by do_bench on
+# repeated calls, which picks by how a call runs with its weight's last copy in L2, not as a decode step runs it.
+# Timed as a decode step runs them (CUDA graph over weight copies, the heuristic's tiles and splits, M = 4 / 16 / 24)
+# against the best of 3 / 4 / 6 stages per point (benchmarks/results/h200-2026-11-30-session16/, scored by
+# `benchmarks/stage_rule_eval.py`):
+# - probe_decode_stages.txt, 16 shapes N 2048-28672 x K 2048-14336, which the rule was fitted on: the rule 1.004x
+#   geometric mean, worst 1.05x; the autotuner 1.052x, worst 1.35x (14336-row shapes: 6 stages, 12.6 vs 9.5 us);
+# - probe_decode_stages_check.txt, 12 held-out shapes (Qwen2-7B, 5120-wide, Llama-3-70B, lm_heads): the rule 1.023x,
+#   worst 1.21x (37888x3584, 4.5 programs per SM, wants 4-6 stages, not 3); the autotuner 1.036x, worst 1.29x.
+DECODE_STAGE_CHOICE = "rule"
+# (programs per SM up to, stages): deep pipelines while at most one program per SM streams, shallower as more
+# programs share an SM's shared memory and issue slots.
+DECODE_STAGES = ((1.0, 6), (2.0, 4), (float("inf"), 3))
+
+
+def _decode_stages(programs: int, sms: int) -> int:
+    """Pipeline depth of a decode call of the split-K kernel launching `programs` programs on `sms` SMs."""
+    load = programs / max(1, sms)
+    return next(stages for limit, stages in DECODE_STAGES if load <= limit)
+
+
 # Split-K partials summed by the last split of each tile (same bits as the reduce kernel, one launch
 # fewer per GEMM: a decode step has ~6 per layer) unless a call or a DECODE_CONFIGS entry says otherwise.
 FUSED_REDUCE_DEFAULT = True
@@ -409,15 +432,16 @@ GEMV_M1 = True
 # 1 KB: 1-2% faster in isolation on 4 of 5 shapes, equal end to end (h200-2026-11-29-session6/probe_prefetch.txt);
 # 4 KB and more were slower.
 GEMV_PREFETCH_BYTES = 0
-# Keyed by the split count too: a call with only split_k given must not inherit the stages tuned for another split
-# count of the same shape (session 14's split A/B did, benchmarks/results/h200-2026-11-30-session14/README.md).
+# DECODE_STAGE_CHOICE = "autotune". Keyed by the split count too: a call with only split_k given must not inherit the
+# stages tuned for another split count of the same shape (session 14's split A/B did,
+# benchmarks/results/h200-2026-11-30-session14/README.md).
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART", "n_splits"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
 
 # Measured decode configs, as data: (device name, N, K, BM) -> knobs of `fp8_block_gemm_triton`
 # (split_k, block_n, num_warps, num_stages, fused_reduce). `fp8_block_linear` uses an entry when one
-# matches, else the heuristic (`_tiles`, `_split_k`) with the autotuned pipeline depth.
+# matches, else the heuristic (`_tiles`, `_split_k`, `_decode_stages`).
 # `benchmarks/tune_kernels.py` prints entries to paste here. The split count changes the fp32
 # summation order, so an entry fixes the bits of that (shape, device) like the heuristic does.
 DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
@@ -460,6 +484,10 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
                                           fused_reduce=True),  # 9.17 vs 10.01
     ("NVIDIA H200", 4096, 14336, 32): dict(split_k=4, block_n=128, num_warps=8, num_stages=4,
                                            fused_reduce=True),  # 22.48 vs 25.90
+    # Llama-3-8B's lm_head at batch 2-16: the stage rule's 3 stages (15 programs per SM) run 132.1 / 140.2 us per call
+    # at M = 4 / 16 in a CUDA graph, 4 stages 124.8 / 130.8, the best of 3 / 4 / 6 at both (h200-2026-11-30-session16/
+    # probe_decode_stages_check.txt). One split as the heuristic: same bits.
+    ("NVIDIA H200", 128256, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k")
 # The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/
@@ -723,7 +751,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
-    `_tiles` (BN, warps, stages; stages autotuned on big decode weights), `_split_k`, the fused reduce on
+    `_tiles` (BN, warps, stages; on big decode weights `_decode_stages`), `_split_k`, the fused reduce on
     CUDA (`FUSED_REDUCE_DEFAULT`)."""
     m, k = x.shape
     n = w.shape[0]
@@ -771,9 +799,12 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and (splits == 1 or fused),
                 FUSED_REDUCE=fused, ROUND_BF16=round_bf16)
     explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
-    if x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit:
+    big_decode = x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit
+    if big_decode and DECODE_STAGE_CHOICE == "autotune":
         _fp8_block_gemm_tuned[grid](*args, **meta, **launch_opts(x))
     else:
+        if big_decode:
+            stages = _decode_stages(grid[0] * grid[1] * grid[2], sm_count(x.device))
         _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
                                      num_stages=cfg.get("num_stages") or stages, **launch_opts(x))
     if splits > 1 and not fused:
