@@ -171,17 +171,25 @@ def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
     assert old["geo"]["all"] > 1.2 > now["geo"]["all"] * 1.1
 
 
-def test_split_rule_eval_refuses_other_files(tmp_path):
-    """A file that is not a split-rule sweep is refused by name."""
-    from benchmarks import split_rule_eval as E
+@pytest.mark.parametrize("module,reader,cases", [
+    ("split_rule_eval", "read_sweep", [("## decode\n  4096x4096 M=4 something\n", "other.txt: no '<n> SMs' header"),
+                                       ("## split rule ... 132 SMs\n", "no sweep rows")]),
+    ("stage_rule_eval", "read_probe", [
+        ("## split rule ... 132 SMs\n  4096x4096 M=4 BM=16 s2: | st3=1 st4=2 st6=3 |\n",
+         "other.txt: no '## decode pipeline depth"),
+        ("## decode pipeline depth: us per call, 132 SMs\n", "no probe rows"),
+        ("## decode pipeline depth: us per call, 132 SMs\n  4096x 4096 M= 4 BM=16 s2: x | st3= 1.0 |\n",
+         "lacks the st3 / st4 / st6 columns")])])
+def test_rule_evals_refuse_other_files(tmp_path, module, reader, cases):
+    """A file that is not the sweep a rule evaluator reads is refused by name, saying what is missing."""
+    import importlib
 
+    read = getattr(importlib.import_module(f"benchmarks.{module}"), reader)
     bad = tmp_path / "other.txt"
-    bad.write_text("## decode\n  4096x4096 M=4 something\n")
-    with pytest.raises(ValueError, match="other.txt: no '<n> SMs' header"):
-        E.read_sweep(bad)
-    bad.write_text("## split rule ... 132 SMs\n")
-    with pytest.raises(ValueError, match="no sweep rows"):
-        E.read_sweep(bad)
+    for text, needle in cases:
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            read(bad)
 
 
 def test_autotuner_keeps_split_counts_apart():
@@ -213,18 +221,3 @@ def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
     assert fit["rule"][1] < fit["auto"][1] and check["rule"][1] < check["auto"][1]
     always4 = E.score(*E.read_probe(E.DEFAULT[0]), ((float("inf"), 4),))
     assert always4["rule"][0] > 1.04  # the best single depth is not as good: the rule's thresholds matter
-
-
-def test_stage_rule_eval_refuses_other_files(tmp_path):
-    from benchmarks import stage_rule_eval as E
-
-    bad = tmp_path / "other.txt"
-    bad.write_text("## split rule ... 132 SMs\n  4096x4096 M=4 BM=16 s2: | st3=1 st4=2 st6=3 |\n")
-    with pytest.raises(ValueError, match="other.txt: no '## decode pipeline depth"):
-        E.read_probe(bad)
-    bad.write_text("## decode pipeline depth: us per call, 132 SMs\n")
-    with pytest.raises(ValueError, match="no probe rows"):
-        E.read_probe(bad)
-    bad.write_text("## decode pipeline depth: us per call, 132 SMs\n  4096x 4096 M= 4 BM=16 s2: x | st3= 1.0 |\n")
-    with pytest.raises(ValueError, match="lacks the st3 / st4 / st6 columns"):
-        E.read_probe(bad)
