@@ -2404,6 +2404,54 @@ def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> N
               f"({len(rs)} points)")
 
 
+MX_SPLIT_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (2048, 14336))
+
+
+def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
+    """The MX dequant-in-kernel GEMM's split count (`MX_SPLIT_FILL`, kept from sessions 3-13's 2 programs per SM when
+    session 14 re-measured the FP8 kernel's), as a decode step runs it: per call in a CUDA graph of 64 calls over
+    >= 150 MB of weight copies, 1 / 2 / 4 / 8 / 16 splits, for bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8. One
+    section per pair in `probe_kernels.py --only split_rule`'s row format, so `benchmarks/split_rule_eval.py`'s
+    `score` rates a fill against each section."""
+    from engine.formats import quantize
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for xkind, wspec in (("bf16", "mxfp4"), ("bf16", "nvfp4"), ("mxfp8", "mxfp8")):
+        print(f"\n## split rule, MX GEMM {xkind} x {wspec}: us per call in a CUDA graph (64 calls over weight "
+              f"copies), {sms} SMs", flush=True)
+        for n, k in MX_SPLIT_SHAPES:
+            g = torch.Generator(device=DEV).manual_seed(n + k)
+            first = G.prepare_mx_weight(quantize(torch.randn(n, k, device=DEV, generator=g), wspec))
+            copies = max(3, -(-ROTATE_BYTES // first.nbytes))
+            wps = [first] + [G.prepare_mx_weight(quantize(torch.randn(n, k, device=DEV, generator=g), wspec))
+                             for _ in range(copies - 1)]
+            for m in ms:
+                xsrc = torch.randn(m, k, device=DEV, generator=g)
+                if xkind == "mxfp8":
+                    q = quantize(xsrc, "mxfp8")
+                    args, kw = (q.data,), {"x_scale": q.scale}
+                else:
+                    args, kw = (xsrc.to(bf),), {}
+                bm, bn, _, _ = G._tiles(m)
+                steps = -(-k // 128)
+                heur = G._plan_split(m, n, steps, bm, bn, xsrc.device, None, G.MX_SPLIT_FILL)[0]
+                row = []
+                for split in (1, 2, 4, 8, 16):
+                    if steps // split < 2:
+                        continue
+                    t = graph_us([lambda wp=wp, split=split: G.mx_linear(*args, wp, split_k=split, **kw) for wp in wps])
+                    row.append((t, f"s{split}"))
+                best = min(row)
+                th = next(t for t, name in row if name == f"s{heur}")
+                cells = " ".join(f"{name}={t:7.2f}" for t, name in row)
+                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:7.2f} us "
+                      f"({first.nbytes / th / 1e6:4.2f} TB/s), best {best[1]} {best[0]:7.2f} us "
+                      f"({first.nbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+            del wps, first
+
+
 def probe_split_ab(copy_tbs: float, shapes=((7168, 16384), (6144, 14336)), ms=(4, 16), splits=(2, 4)) -> None:
     """Split counts A/B on long-K shapes near one tile per SM (BM 16): one call after a clean flush and per call in a
     CUDA graph over weight copies, each measured three times alternating between the split counts (medians)."""
@@ -2549,7 +2597,7 @@ def main() -> int:
               "gemm_reduce_timeline": probe_gemm_reduce_timeline, "gemm_early": probe_gemm_early,
               "decode_graph": probe_decode_graph, "decode_graph32": lambda c: probe_decode_graph(c, ms=(32,)),
               "split_rule": probe_split_rule, "decode_dual": probe_decode_dual, "decode_stages": probe_decode_stages,
-              "decode_stages_check": lambda c: probe_decode_stages(c, shapes=STAGE_CHECK),
+              "decode_stages_check": lambda c: probe_decode_stages(c, shapes=STAGE_CHECK), "mx_split": probe_mx_split,
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

@@ -1,6 +1,7 @@
 """Score the decode GEMM heuristic against a measured split-rule sweep (no GPU needed).
 
     python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30-session14/probe_split_rule.txt]
+    python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30-session16/probe_mx_split.txt]
 
 The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
 whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
@@ -23,12 +24,28 @@ import torch  # noqa: E402
 from engine.kernels import gemm as G  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session14" / "probe_split_rule.txt"
+# The MX GEMM's sweep (`probe_kernels.py --only mx_split`: bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8), scored against
+# MX_SPLIT_FILL: `python benchmarks/split_rule_eval.py --mx`.
+MX_DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session16" / "probe_mx_split.txt"
 ROW = re.compile(r"\s+(\d+)x\s*(\d+) M=\s*(\d+) BM=(\d+): .*\| (.*)")
 
 
 def read_sweep(path: Path) -> tuple[int, dict[tuple[int, int, int, int], dict[str, float]]]:
     """(SM count, {(N, K, M, BM): {variant: us}}) from a split-rule probe's output."""
+    return _parse(path.read_text(), path)
+
+
+def read_sections(path: Path) -> dict[str, tuple[int, dict]]:
+    """{section title: (SM count, rows)} of a probe output with one '## ' section per sweep (`--only mx_split`)."""
     text = path.read_text()
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    sections = {p.splitlines()[0][3:]: _parse(p, path) for p in parts if p.startswith("## ")}
+    if not sections:
+        raise ValueError(f"{path}: no '## ' sections; is this `probe_kernels.py --only mx_split` output?")
+    return sections
+
+
+def _parse(text: str, path: Path) -> tuple[int, dict]:
     sms = re.search(r"(\d+) SMs", text)
     if sms is None:
         raise ValueError(f"{path}: no '<n> SMs' header; is this `probe_kernels.py --only split_rule` output?")
@@ -69,6 +86,15 @@ def score(sms: int, rows: dict, fill: float, whole_k: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--mx":
+        path = Path(args[1]) if len(args) > 1 else MX_DEFAULT
+        for title, (sms, rows) in read_sections(path).items():
+            print(f"{title}: {len(rows)} points, {sms} SMs; pick / best split, geometric mean")
+            for name, fill in (("sessions 3-15: 2 programs per SM", 2.0), (f"now: MX_SPLIT_FILL {G.MX_SPLIT_FILL}",
+                                                                            G.MX_SPLIT_FILL)):
+                s = score(sms, rows, fill, False)
+                print(f"  {name:40s} all {s['geo']['all']:.3f}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")
+        return 0
     sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
     print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")
     for name, fill, wk in (("sessions 3-13: 2 programs per SM", 2.0, False),

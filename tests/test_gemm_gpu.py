@@ -335,6 +335,37 @@ def test_fp8_tensor_linear(G, m):
 
 
 # ------------------------------------------------------------------ MX / NVFP4
+try:  # a module-level kernel: the interpreter resolves the helpers it calls from the module's globals
+    import triton
+    import triton.language as tl
+
+    from engine.kernels.gemm import _e4m3_to_f32, _e8m0_to_f32
+
+    @triton.jit
+    def _decode_scale_codes(c_ptr, e8_ptr, e4_ptr):
+        c = tl.load(c_ptr + tl.arange(0, 256))
+        tl.store(e8_ptr + tl.arange(0, 256), _e8m0_to_f32(c))
+        tl.store(e4_ptr + tl.arange(0, 256), _e4m3_to_f32(c))
+except ImportError:  # no Triton: the GPU tests skip
+    _decode_scale_codes = None
+
+
+@pytest.mark.interpreter
+def test_mx_scale_code_decoders_are_exact(G):
+    """The MX kernel's scale decoders on every code: `_e8m0_to_f32` = 2**(code - 127) (code 0: 2**-127, 255: NaN) and
+    `_e4m3_to_f32` = torch's E4M3 value, signed zeros, subnormals and NaN included."""
+    codes = torch.arange(256, dtype=torch.int32, device=DEV)
+    e8, e4 = (torch.empty(256, device=DEV) for _ in range(2))
+    _decode_scale_codes[(1,)](codes, e8, e4)
+    want8 = torch.exp2(codes.double() - 127).float()
+    want8[255] = float("nan")
+    want4 = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    for got, want in ((e8, want8), (e4, want4)):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4"])
 def test_prepared_mx_weight_dequantizes_bit_exactly(G, spec):

@@ -303,11 +303,25 @@ def _e8m0_to_f32(code):
 
 
 @triton.jit
-def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr):
-    """Weight elements wv (BN, 64) fp32 times their block scales (gathered per column), as bf16."""
+def _e4m3_to_f32(code):
+    """E4M3 codes (int32, 0..255) -> their fp32 values by bit arithmetic (exponent bias 7 -> 127; exponent 0: m * 2**-9;
+    S.1111.111: NaN), as `_e8m0_to_f32` does for E8M0."""
+    e = (code >> 3) & 15
+    m = code & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    v = (mag.to(tl.int32, bitcast=True) | ((code >> 7) << 31)).to(tl.float32, bitcast=True)  # the sign, -0 included
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr, SCALE_BITS: tl.constexpr):
+    """Weight elements wv (BN, 64) fp32 times their block scales (gathered per column), as bf16. E4M3 scales (NVFP4)
+    convert by `_e4m3_to_f32` when SCALE_BITS, else by the FP8 cast."""
     s = tl.load(ws_rows + (kk // W_SB)[None, :], mask=n_ok[:, None], other=0.0)
     if W_E8M0:
         sf = _e8m0_to_f32(s.to(tl.int32))
+    elif SCALE_BITS:
+        sf = _e4m3_to_f32(s.to(tl.uint8, bitcast=True).to(tl.int32))
     else:
         sf = s.to(tl.float32)
     return (wv * sf).to(tl.bfloat16)
@@ -329,7 +343,7 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
                     M, N, K, n_chunks, chunks_per_split, stride_xm, stride_xsm, stride_wn, stride_wsn,
                     BM: tl.constexpr, BN: tl.constexpr, X_SCALED: tl.constexpr, W_FP4: tl.constexpr,
                     W_SB: tl.constexpr, W_E8M0: tl.constexpr, HAS_TS: tl.constexpr,
-                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BITS: tl.constexpr = True):
     """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
     (packed FP4: low / high nibbles of the same 64 bytes; FP8: two loads) are decoded, scaled
     into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T."""
@@ -358,9 +372,9 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
         else:
             w_lo = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
             w_hi = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0)
+        w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0, SCALE_BITS)
         acc = tl.dot(w_lo, tl.trans(_mx_act(x_rows, xs_rows, k_lo, m_ok, K, X_SCALED)), acc)
-        w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0)
+        w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0, SCALE_BITS)
         acc = tl.dot(w_hi, tl.trans(_mx_act(x_rows, xs_rows, k_hi, m_ok, K, X_SCALED)), acc)
     _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
               USE_PART, HAS_BIAS, HAS_TS)
@@ -500,7 +514,14 @@ DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce",
 # rows TMA cannot read) BM 64 takes the split rule.
 SPLIT_FILL = 0.9
 WHOLE_K_AT_BM64 = True
-MX_SPLIT_FILL = 2.0  # the MX kernel (dequantize in the loop, more work per byte) keeps the rule it was measured with
+# The MX kernel (dequantize in the loop, more work per byte than the FP8 kernel) wants more programs per SM: 4, measured
+# as a decode step runs it (CUDA graph over weight copies; benchmarks/results/h200-2026-11-30-session16/
+# probe_mx_split.txt, 6 shapes x M = 1 / 4 / 16 / 32 x 1-16 splits, `split_rule_eval.py --mx`), pick / best split:
+# bf16 x MXFP4 1.004x (worst 1.03), bf16 x NVFP4 1.024x (1.19), MXFP8 x MXFP8 1.041x (1.12); the 2 per SM of sessions
+# 3-15 gave 1.046x (1.24) / 1.061x (1.34) / 1.036x (1.14): 28672x4096 got one split, 15-18% slower than 2-4.
+MX_SPLIT_FILL = 4.0
+# NVFP4's E4M3 block scales decoded by bit arithmetic (`_e4m3_to_f32`) instead of the FP8 cast (same values).
+MX_SCALE_BITS = True
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
 # num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
 # clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
@@ -1223,7 +1244,7 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
         x2.stride(0), xs.stride(0) if xs is not None else 0, w.data.stride(0), w.scale.stride(0),
         BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
         HAS_TS=ts is not None and splits == 1, USE_PART=splits > 1, HAS_BIAS=bias is not None and splits == 1,
-        num_warps=4, num_stages=3)
+        SCALE_BITS=MX_SCALE_BITS, num_warps=4, num_stages=3)
     if splits > 1:
         _reduce(part, out, bias, ts)
     return out.reshape(*lead, n)
