@@ -2305,6 +2305,16 @@ def probe_decode_dual(copy_tbs: float, shapes=((7168, 16384),), ms=(4, 16)) -> N
         del wts
 
 
+def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbytes: int) -> None:
+    """One split-rule sweep point: the heuristic's split count and time, the best variant, every variant's time (the
+    row format benchmarks/split_rule_eval.py reads)."""
+    best = min(row)
+    th = next(t for t, name in row if name == f"s{heur}")
+    cells = " ".join(f"{name}={t:7.2f}" for t, name in row)
+    print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:7.2f} us ({nbytes / th / 1e6:4.2f} TB/s), "
+          f"best {best[1]} {best[0]:7.2f} us ({nbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+
+
 def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
     """Split count vs tile rows (BM 16 / 32 / 64) over a grid of decode shapes, as a decode step runs them (CUDA graph
     of 64 calls over >= 150 MB of weight copies, bf16 out): the split-K kernel with the heuristic's tiles, warps and
@@ -2341,12 +2351,7 @@ def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
                             t = graph_us([lambda w=w, wbn=wbn, gps=gps: G.fp8_block_gemm_triton(
                                 xd, xs, *w, out_dtype=bf, whole_k=gps, block_n=wbn) for w in wts])
                             row.append((t, f"wk{wbn}x{gps}"))
-                best = min(row)
-                th = next(t for t, name in row if name == f"s{heur}")
-                cells = " ".join(f"{name}={t:6.2f}" for t, name in row)
-                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:6.2f} us "
-                      f"({wbytes / th / 1e6:4.2f} TB/s), "
-                      f"best {best[1]} {best[0]:6.2f} us ({wbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+                _print_split_row(n, k, m, bm, heur, row, wbytes)
             del wts
 
 
@@ -2443,12 +2448,7 @@ def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
                         continue
                     t = graph_us([lambda wp=wp, split=split: G.mx_linear(*args, wp, split_k=split, **kw) for wp in wps])
                     row.append((t, f"s{split}"))
-                best = min(row)
-                th = next(t for t, name in row if name == f"s{heur}")
-                cells = " ".join(f"{name}={t:7.2f}" for t, name in row)
-                print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic s{heur} {th:7.2f} us "
-                      f"({first.nbytes / th / 1e6:4.2f} TB/s), best {best[1]} {best[0]:7.2f} us "
-                      f"({first.nbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+                _print_split_row(n, k, m, bm, heur, row, first.nbytes)
             del wps, first
 
 
