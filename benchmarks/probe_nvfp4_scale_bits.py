@@ -23,7 +23,8 @@ def main() -> int:
     for wspec in ("nvfp4", "mxfp4"):
         for n, k in ((4096, 14336), (28672, 4096), (4096, 4096)):
             g = torch.Generator(device="cuda").manual_seed(n + k)
-            wps = [G.prepare_mx_weight(quantize(torch.randn(n, k, device="cuda", generator=g), wspec)) for _ in range(4)]
+            wps = [G.prepare_mx_weight(quantize(torch.randn(n, k, device="cuda", generator=g), wspec))
+                   for _ in range(4)]
             for m in (4, 16):
                 x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
                 res = {}

@@ -5,8 +5,9 @@ interpreter with `patch_interpreter` and skips the other GPU tests there).
 
 A script runs its checks on CPU tensors under TRITON_INTERPRET=1 (`script_main`: every named check prints
 "ok NAME (T s)", or its traceback and "FAILED NAME"; exit status 0 all passed, 1 a failure, 2 not under the
-interpreter, 3 the interpreter lacks a hook that `allow_tensor_loop_bounds` or `faithful_floats` patches). Its test runs it in a subprocess
-(`assert_script_checks`), because the interpreter is chosen when the kernels are decorated: a fresh process."""
+interpreter, 3 the interpreter lacks a hook that `allow_tensor_loop_bounds` or `faithful_floats` patches). Its test
+runs it in a subprocess (`assert_script_checks`), because the interpreter is chosen when the kernels are decorated: a
+fresh process."""
 
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ def faithful_floats() -> bool:
           mantissa into the exponent, E4M3's NaN code read as 480.
     Here dot operands are widened exactly to fp32 (the tensor core's products are exact, its accumulation fp32),
     fp32 -> bf16 rounds to nearest even (cvt.rn.bf16.f32), and fp32 <-> E4M3 / E5M2 is the GPU's
-    cvt.rn.satfinite conversion, through torch's exact casts (tests/test_interpret_util.py checks all three
-    against torch on adversarial values)."""
+    cvt.rn.satfinite conversion, through torch's exact casts (tests/test_triton_float_semantics.py checks all
+    three against torch on adversarial values, on the GPU and here)."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
@@ -170,9 +171,11 @@ def faithful_floats() -> bool:
     builder._faithful_floats = True
     return True
 
-def patch_interpreter() -> str | None:
-    """Both patches (`allow_tensor_loop_bounds`, `faithful_floats`); None, or why one could not be applied."""
-    if not allow_tensor_loop_bounds():
+
+def patch_interpreter(loop_bounds: bool = True) -> str | None:
+    """`allow_tensor_loop_bounds` (unless loop_bounds is False) and `faithful_floats`; None, or why one could not be
+    applied."""
+    if loop_bounds and not allow_tensor_loop_bounds():
         return "triton.runtime.interpreter has no _patch_lang_tensor"
     if not faithful_floats():
         return "triton.runtime.interpreter's InterpreterBuilder has no create_dot / cast_impl / create_fp_to_fp"
@@ -186,11 +189,9 @@ def script_main(names: Sequence[str], checks: Sequence[str], check: Callable[[st
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    if loop_bounds and not allow_tensor_loop_bounds():
-        print("SKIP: triton.runtime.interpreter has no _patch_lang_tensor")
-        return 3
-    if not faithful_floats():
-        print("SKIP: triton.runtime.interpreter's InterpreterBuilder has no create_dot / cast_impl / create_fp_to_fp")
+    why = patch_interpreter(loop_bounds)
+    if why:
+        print(f"SKIP: {why}")
         return 3
     return run_checks(list(names) or list(checks), check)
 

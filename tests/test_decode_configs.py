@@ -210,8 +210,8 @@ def test_decode_stage_choice_defaults_to_the_rule():
 
 
 def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
-    """benchmarks/stage_rule_eval.py on session 16's H200 sweeps, timed as a decode step runs: the rule in the code picks
-    within 1% of the best fixed depth (geometric mean) on the 48 points it was fitted on and within 3% on 36 held-out
+    """benchmarks/stage_rule_eval.py on session 16's H200 sweeps, timed as a decode step runs: the rule in the code
+    picks within 1% of the best fixed depth (geometric mean) on the 48 points it was fitted on and within 3% on 36 held-out
     ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails here."""
     from benchmarks import stage_rule_eval as E
 

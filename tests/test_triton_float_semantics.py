@@ -64,7 +64,8 @@ def _assert_same_values(out: torch.Tensor, ref: torch.Tensor, what: str) -> None
     nan = torch.isnan(ref.float())
     assert torch.equal(torch.isnan(out.float()), nan), f"{what}: NaN positions differ"
     bad = (_bits(out) != _bits(ref)) & ~nan
-    assert not bad.any(), f"{what}: {int(bad.sum())} values differ, e.g. inputs at {bad.nonzero()[:5].flatten().tolist()}"
+    where = bad.nonzero()[:5].flatten().tolist()
+    assert not bad.any(), f"{what}: {int(bad.sum())} values differ, e.g. inputs at {where}"
 
 
 def _adversarial_fp32() -> torch.Tensor:
