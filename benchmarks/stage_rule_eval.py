@@ -16,6 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.kernels import gemm as G  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30-session16"
 DEFAULT = (RESULTS / "probe_decode_stages.txt", RESULTS / "probe_decode_stages_check.txt")
 _HEADER = re.compile(r"^## decode pipeline depth: .*?(\d+) SMs")
@@ -45,12 +49,6 @@ def read_probe(path: Path) -> tuple[int, list[dict]]:
     return sms, rows
 
 
-def rule_stages(programs: int, sms: int, limits) -> int:
-    """The depth the thresholds `limits` ((programs per SM up to, stages), ...) give."""
-    load = programs / max(1, sms)
-    return next(stages for limit, stages in limits if load <= limit)
-
-
 def score(sms: int, rows: list[dict], limits, block_n: int = 64) -> dict:
     """{'rule': (geomean, worst), 'auto': (geomean, worst) or None} over the rows, against the best fixed depth."""
     rule, auto = [], []
@@ -58,7 +56,7 @@ def score(sms: int, rows: list[dict], limits, block_n: int = 64) -> dict:
         t = row["times"]
         best = min(t["st3"], t["st4"], t["st6"])
         programs = -(-row["n"] // block_n) * row["splits"]
-        rule.append(t[f"st{rule_stages(programs, sms, limits)}"] / best)
+        rule.append(t[f"st{G._decode_stages(programs, sms, limits)}"] / best)
         if "auto" in t:
             auto.append(t["auto"] / best)
 
@@ -83,10 +81,7 @@ def main(argv=None) -> int:
                     help="thresholds 'load:stages,...' (default: engine.kernels.gemm.DECODE_STAGES)")
     args = ap.parse_args(argv)
     if args.limits is None:
-        sys.path.insert(0, str(ROOT))
-        from engine.kernels.gemm import DECODE_STAGES
-
-        args.limits = DECODE_STAGES
+        args.limits = G.DECODE_STAGES
     print(f"rule {args.limits}")
     for path in args.files:
         sms, rows = read_probe(path)

@@ -424,10 +424,11 @@ DECODE_STAGE_CHOICE = "rule"
 DECODE_STAGES = ((1.0, 6), (2.0, 4), (float("inf"), 3))
 
 
-def _decode_stages(programs: int, sms: int) -> int:
-    """Pipeline depth of a decode call of the split-K kernel launching `programs` programs on `sms` SMs."""
+def _decode_stages(programs: int, sms: int, limits=None) -> int:
+    """Pipeline depth of a decode call of the split-K kernel launching `programs` programs on `sms` SMs, by `limits`
+    ((programs per SM up to, stages), ...; default DECODE_STAGES)."""
     load = programs / max(1, sms)
-    return next(stages for limit, stages in DECODE_STAGES if load <= limit)
+    return next(stages for limit, stages in (limits or DECODE_STAGES) if load <= limit)
 
 
 # Split-K partials summed by the last split of each tile (same bits as the reduce kernel, one launch
