@@ -21,8 +21,8 @@ point. `--profile` adds each configuration's top kernels and its critical
 path (`critical_path`); `--pdl both` also times the runtime without
 programmatic dependent launch (rows tagged -nopdl). `--decode-configs FILE` adds measured decode-GEMM
 configs (`DECODE_CONFIGS` entries as JSON, e.g. `probe_kernels.py --only decode_graph`'s output) for the run,
-to try them in a whole decode step before committing them; `e2e_old_split_rule.py` runs this benchmark with the
-decode-GEMM heuristic of sessions 3-13.
+to try them in a whole decode step before committing them; `e2e_before.py PRESET` runs this benchmark with an
+earlier session's kernel settings (the sessions 3-13 decode-GEMM heuristic, session 16's MX path).
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """

@@ -70,6 +70,15 @@ def main() -> None:
         ("swiglu+quant 1x128", lambda: swiglu_quant(x, u), lambda: swiglu_quant_reference(x, u),
          2 * m * k * 2 + out_bytes),
     ]
+    mx_bytes = m * k * 1 + m * ((k + 31) // 32) * 4  # MXFP8: one fp32-held E8M0 scale per 32 elements
+    cases += [
+        ("act_quant mxfp8", lambda: act_quant(x, fmt="mxfp8"), lambda: act_quant_reference(x, "mxfp8"),
+         m * k * 2 + mx_bytes),
+        ("rmsnorm+quant mxfp8", lambda: rmsnorm_quant(x, w, 1e-5, fmt="mxfp8"),
+         lambda: rmsnorm_quant_reference(x, w, 1e-5, "mxfp8"), m * k * 2 + k * 4 + mx_bytes),
+        ("swiglu+quant mxfp8", lambda: swiglu_quant(x, u, fmt="mxfp8"), lambda: swiglu_quant_reference(x, u, "mxfp8"),
+         2 * m * k * 2 + mx_bytes),
+    ]
     # tiling sweep of the SwiGLU kernel (same bits for every tiling; the default is BM=16, 4 warps)
     for bm, nw in ((8, 4), (32, 4), (64, 8)):
         cases.append((f"swiglu+quant bm{bm}w{nw}", lambda bm=bm, nw=nw: swiglu_quant(x, u, bm=bm, num_warps=nw),

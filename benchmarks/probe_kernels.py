@@ -2413,11 +2413,10 @@ MX_SPLIT_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (81
 
 
 def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
-    """The MX dequant-in-kernel GEMM's split count (`MX_SPLIT_FILL`, kept from sessions 3-13's 2 programs per SM when
-    session 14 re-measured the FP8 kernel's), as a decode step runs it: per call in a CUDA graph of 64 calls over
-    >= 150 MB of weight copies, 1 / 2 / 4 / 8 / 16 splits, for bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8. One
-    section per pair in `probe_kernels.py --only split_rule`'s row format, so `benchmarks/split_rule_eval.py`'s
-    `score` rates a fill against each section."""
+    """The MX dequant-in-kernel GEMM's split count (the heuristic: `G.mx_split_k`, `MX_SPLIT_RULE`), as a decode step
+    runs it: per call in a CUDA graph of 64 calls over >= 150 MB of weight copies, 1 / 2 / 4 / 8 / 16 splits, for
+    bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8. One section per pair in `probe_kernels.py --only split_rule`'s row
+    format, so `benchmarks/split_rule_eval.py`'s `score` rates a rule against each section."""
     from engine.formats import quantize
     from engine.kernels import gemm as G
 
@@ -2441,7 +2440,8 @@ def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
                     args, kw = (xsrc.to(bf),), {}
                 bm, bn, _, _ = G._tiles(m)
                 steps = -(-k // 128)
-                heur = G._plan_split(m, n, steps, bm, bn, xsrc.device, None, G.MX_SPLIT_FILL)[0]
+                heur = G._plan_split(m, n, steps, bm, bn, xsrc.device, G.mx_split_k(-(-n // bn) * -(-m // bm), steps,
+                                                                                  sms, bm))[0]
                 row = []
                 for split in (1, 2, 4, 8, 16):
                     if steps // split < 2:

@@ -1,7 +1,7 @@
 """Score the decode GEMM heuristic against a measured split-rule sweep (no GPU needed).
 
     python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30-session14/probe_split_rule.txt]
-    python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30-session16/probe_mx_split.txt]
+    python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30-session17/probe_mx_split.txt]
 
 The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
 whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
@@ -25,8 +25,8 @@ from engine.kernels import gemm as G  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session14" / "probe_split_rule.txt"
 # The MX GEMM's sweep (`probe_kernels.py --only mx_split`: bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8), scored against
-# MX_SPLIT_FILL: `python benchmarks/split_rule_eval.py --mx`.
-MX_DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session16" / "probe_mx_split.txt"
+# MX_SPLIT_RULE: `python benchmarks/split_rule_eval.py --mx`.
+MX_DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session17" / "probe_mx_split.txt"
 ROW = re.compile(r"\s+(\d+)x\s*(\d+) M=\s*(\d+) BM=(\d+): .*\| (.*)")
 
 
@@ -60,18 +60,20 @@ def _parse(text: str, path: Path) -> tuple[int, dict]:
     return int(sms.group(1)), rows
 
 
-def pick(n: int, k: int, m: int, sms: int, fill: float, whole_k: bool) -> str:
-    """The variant a heuristic runs for (N, K, M): 'wk<block_n>x<groups>' or 's<splits>'."""
+def pick(n: int, k: int, m: int, sms: int, fill, whole_k: bool) -> str:
+    """The variant a heuristic runs for (N, K, M): 'wk<block_n>x<groups>' or 's<splits>'. fill: programs per SM for
+    `_split_k`, or a split rule (tiles, steps, SMs, BM) -> splits (`G.mx_split_k`)."""
     if whole_k:
         wk = G._heuristic_whole_k(m, n, torch.device("cuda"))
         if wk:
             return f"wk{wk['block_n']}x{wk['whole_k']}"
     bm, bn, _, _ = G._tiles(m)
     tiles = -(-n // bn) * -(-m // bm)
-    return f"s{G._split_k(tiles, -(-k // 128), sms, fill)}"
+    steps = -(-k // 128)
+    return f"s{fill(tiles, steps, sms, bm) if callable(fill) else G._split_k(tiles, steps, sms, fill)}"
 
 
-def score(sms: int, rows: dict, fill: float, whole_k: bool) -> dict:
+def score(sms: int, rows: dict, fill, whole_k: bool) -> dict:
     """Per BM and overall: geometric mean of pick / best, and the worst point."""
     ratios: dict = {}
     worst = (0.0, None)
@@ -90,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args[1]) if len(args) > 1 else MX_DEFAULT
         for title, (sms, rows) in read_sections(path).items():
             print(f"{title}: {len(rows)} points, {sms} SMs; pick / best split, geometric mean")
-            for name, fill in (("sessions 3-15: 2 programs per SM", 2.0), (f"now: MX_SPLIT_FILL {G.MX_SPLIT_FILL}",
-                                                                            G.MX_SPLIT_FILL)):
+            for name, fill in (("sessions 3-15: 2 programs per SM", 2.0), ("session 16: 4 programs per SM", 4.0),
+                               (f"now: MX_SPLIT_RULE {G.MX_SPLIT_RULE}", G.mx_split_k)):
                 s = score(sms, rows, fill, False)
-                print(f"  {name:40s} all {s['geo']['all']:.3f}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")
+                per = "  ".join(f"BM {bm} {g:.3f}"
+                                for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
+                print(f"  {name:48s} all {s['geo']['all']:.3f}  {per}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")
         return 0
     sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
     print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")

@@ -4,11 +4,12 @@
 dispatch points with kernels from `engine.kernels` whenever the recipe's
 format at that site has a native kernel on this GPU:
 
-* ``act_quant`` / ``quant`` for ``e4m3:1x128`` -> the Triton quant kernel
-  (bit-exact with `engine.formats.quantize`: same scales, same FP8 bits);
+* ``act_quant`` / ``quant`` for ``e4m3:1x128`` and ``mxfp8`` -> the Triton
+  quant kernel (bit-exact with `engine.formats.quantize`: same scales, same
+  FP8 bits);
 * ``rmsnorm`` / ``swiglu`` (fp32 norm compute) -> the fused Triton
   RMSNorm+quant / SwiGLU+quant kernels: one launch computes the fp32 values
-  *and* their 1x128 E4M3 quantization, which the ``quant`` of those very
+  *and* their 1x128 E4M3 (or MXFP8) quantization, which the ``quant`` of those very
   values that follows in the model takes instead of quantizing again (the
   kernels quantize their own fp32 output bit-exactly, so this changes no
   bit). The norm's sum of squares and SwiGLU's silu (approximate division,
@@ -136,10 +137,15 @@ def embedding_lookup(tokens: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     return sub.dequantize().reshape(*tokens.shape, d)
 
 
-def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> QTensor:
-    """The `e4m3:1x128` QTensor of x (..., K) from a Triton kernel's FP8 data and (rows, K/128) scales."""
+# Activation formats the Triton quant kernels write (engine.kernels.quant.QUANT_FORMATS).
+_KERNEL_QUANTS = ("e4m3:1x128", "mxfp8")
+
+
+def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, spec: str = "e4m3:1x128") -> QTensor:
+    """The `spec` QTensor of x (..., K) from a Triton quant kernel's FP8 data and (rows, K/128) -- "mxfp8":
+    (rows, K/32) -- scales."""
     return QTensor(data=data.reshape(x.shape), scale=scale.reshape(*x.shape[:-1], -1),
-                   spec=parse_spec("e4m3:1x128"), shape=x.shape, orig_dtype=x.dtype)
+                   spec=parse_spec(spec), shape=x.shape, orig_dtype=x.dtype)
 
 
 def _consecutive(ts: Sequence[torch.Tensor]) -> bool:
@@ -209,20 +215,25 @@ class NativeNumerics(Numerics):
 
     # ------------------------------------------------------- fused producers
     def _fusable(self, x: torch.Tensor) -> bool:
-        """A fused producer kernel may run: the recipe's activations are E4M3 1x128 (else there is no
+        """A fused producer kernel may run: the recipe's activations are E4M3 1x128 or MXFP8 (else there is no
         quantization to fuse, and the kernel's last-ulp differences would be pure cost: under bf16 they
         flip zoo-moe's expert choices), CUDA fp32/bf16 input, 128-multiple rows, nobody observing quants."""
-        return (self.recipe.spec("linear.input") == "e4m3:1x128" and x.is_cuda and self.observer is None
+        return (self.recipe.spec("linear.input") in _KERNEL_QUANTS and x.is_cuda and self.observer is None
                 and x.dim() >= 1 and x.shape[-1] % 128 == 0 and x.numel() > 0
                 and x.dtype in (torch.float32, torch.bfloat16))
 
     def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-                  fmt: Optional[str] = None) -> torch.Tensor:
-        """Keep the fused kernel's E4M3 1x128 quantization of `hp` for the `quant` call that follows; `fmt`: the
+                  fmt: Optional[str] = None, spec: str = "e4m3:1x128") -> torch.Tensor:
+        """Keep the fused kernel's quantization of `hp` to `spec` for the `quant` call that follows; `fmt`: the
         float format hp's values are already rounded to (a `round` to it then returns hp itself)."""
-        self._fused = (hp, _block_qtensor(hp, data, scale))
+        self._fused = (hp, _block_qtensor(hp, data, scale, spec))
         self._fused_fmt = fmt
         return hp
+
+    def _fused_quant_spec(self) -> str:
+        """The format the fused producers (RMSNorm, SwiGLU, residual + RMSNorm) quantize to: the recipe's default
+        GEMM input format (a module whose input format differs re-quantizes in `quant`)."""
+        return self.recipe.spec("linear.input")
 
     def remember_rounded(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
         """A producer kernel (the paged attention's output) rounded its fp32 output `hp` to `fmt` and quantized
@@ -268,10 +279,11 @@ class NativeNumerics(Numerics):
         if self.recipe.spec("norm", module) != "fp32" or not self._fusable(x) or weight.shape != x.shape[-1:]:
             self._count("rmsnorm", "fallback")
             return super().rmsnorm(x, weight, eps, module)
+        spec = self._fused_quant_spec()
         data, scale, hp = self._quant_k.rmsnorm_quant(x.contiguous(), weight.float().contiguous(), eps,
-                                                      return_hp=True)
+                                                      return_hp=True, fmt=spec)
         self._count("rmsnorm", "native")
-        return self._remember(hp.reshape(x.shape), data, scale)
+        return self._remember(hp.reshape(x.shape), data, scale, spec=spec)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
         """silu(gate) * up through the fused SwiGLU+quant kernel (its quantization kept for `quant`)."""
@@ -280,9 +292,10 @@ class NativeNumerics(Numerics):
             return super().swiglu(gate, up, module)
         # gate / up are usually the two column halves of the stacked gate/up GEMM's output (`linears`): the kernel
         # reads them at their row stride, with no copy kernels before it (two per layer before session 15)
-        data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True)
+        spec = self._fused_quant_spec()
+        data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True, fmt=spec)
         self._count("swiglu", "native")
-        return self._remember(hp.reshape(gate.shape), data, scale)
+        return self._remember(hp.reshape(gate.shape), data, scale, spec=spec)
 
     def residual_norm(self, x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float, resid: str,
                       norm: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,12 +307,13 @@ class NativeNumerics(Numerics):
                 or x.shape[-1] > self._quant_k.ROW_KERNEL_MAX_GROUPS * 128):
             self._count("residual_norm", "fallback")
             return super().residual_norm(x, o, weight, eps, resid, norm)
+        spec = self._fused_quant_spec()
         r, data, scale, hp = self._quant_k.add_rmsnorm_quant(x.contiguous(), o.contiguous(), weight.float().contiguous(),
-                                                             eps, round_bf16=res_spec == "bf16")
+                                                             eps, round_bf16=res_spec == "bf16", fmt=spec)
         r = r.reshape(x.shape)
         self.emit(resid, r)
         self._count("residual_norm", "native")
-        return r, self._remember(hp.reshape(x.shape), data, scale)
+        return r, self._remember(hp.reshape(x.shape), data, scale, spec=spec)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,23 +359,23 @@ class NativeNumerics(Numerics):
 
     # ----------------------------------------------------------------- quant
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
-        """`e4m3:1x128` through the Triton kernel (bit-exact); anything else emulated.
+        """`e4m3:1x128` and `mxfp8` through the Triton kernel (bit-exact); anything else emulated.
 
         The fp32 output of the last fused producer (`rmsnorm` / `swiglu`) is not quantized again: the
         producer's own quantization of exactly those values is returned (same bits)."""
         spec = spec or self.recipe.spec(site, module)
         fused, self._fused, self._fused_fmt = self._fused, None, None
-        native = spec == "e4m3:1x128" and x.is_cuda and self.observer is None and not (
+        native = spec in _KERNEL_QUANTS and x.is_cuda and self.observer is None and not (
             self.recipe.scales and self.recipe.static_scale(site, module) is not None)
         if native and fused is not None and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape \
-                and x.dtype == fused[0].dtype:
+                and x.dtype == fused[0].dtype and fused[1].spec == parse_spec(spec):
             self._count("quant", "native")
             return fused[1]
         if native:
             k = x.shape[-1]
-            data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous())
+            data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous(), fmt=spec)
             self._count("quant", "native")
-            return _block_qtensor(x, data, scale)
+            return _block_qtensor(x, data, scale, spec)
         if spec in _FLOAT_DTYPES and self.observer is None and x.is_cuda and not (
                 self.recipe.scales and self.recipe.static_scale(site, module) is not None):
             # a float "format" is a cast; without an observer nobody reads the library's overflow / underflow

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.interpret_util import GPU_TEST_DEVICE
+from tests.interpret_util import GPU_TEST_DEVICE, INTERPRET
 
 # skipped without CUDA; under TRITON_INTERPRET=1 the tests marked `interpreter` run on the CPU (tests/conftest.py)
 pytestmark = pytest.mark.gpu
@@ -339,15 +339,27 @@ try:  # a module-level kernel: the interpreter resolves the helpers it calls fro
     import triton
     import triton.language as tl
 
-    from engine.kernels.gemm import _e4m3_to_f32, _e8m0_to_f32
+    from engine.kernels.gemm import _e2m1_bytes_to_bf16, _e2m1_nibble_to_f32, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
 
     @triton.jit
     def _decode_scale_codes(c_ptr, e8_ptr, e4_ptr):
         c = tl.load(c_ptr + tl.arange(0, 256))
         tl.store(e8_ptr + tl.arange(0, 256), _e8m0_to_f32(c))
         tl.store(e4_ptr + tl.arange(0, 256), _e4m3_to_f32(c))
+
+    @triton.jit
+    def _decode_fp4_bytes(b_ptr, lo_ptr, hi_ptr, lo_old_ptr, hi_old_ptr, lo_ptx_ptr, hi_ptx_ptr, PTX: tl.constexpr):
+        b = tl.load(b_ptr + tl.arange(0, 256))
+        tl.store(lo_ptr + tl.arange(0, 256), _e2m1_nibble_to_f32(b, 0))
+        tl.store(hi_ptr + tl.arange(0, 256), _e2m1_nibble_to_f32(b, 4))
+        tl.store(lo_old_ptr + tl.arange(0, 256), _e2m1_to_f32(b & 15))
+        tl.store(hi_old_ptr + tl.arange(0, 256), _e2m1_to_f32(b >> 4))
+        if PTX:  # inline PTX: not under the interpreter
+            lo, hi = _e2m1_bytes_to_bf16(b.to(tl.uint8))
+            tl.store(lo_ptx_ptr + tl.arange(0, 256), lo.to(tl.float32))
+            tl.store(hi_ptx_ptr + tl.arange(0, 256), hi.to(tl.float32))
 except ImportError:  # no Triton: the GPU tests skip
-    _decode_scale_codes = None
+    _decode_scale_codes = _decode_fp4_bytes = None
 
 
 @pytest.mark.interpreter
@@ -364,6 +376,53 @@ def test_mx_scale_code_decoders_are_exact(G):
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan)
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.interpreter
+def test_mx_fp4_decoders_are_exact(G):
+    """The MX kernel's E2M1 decoders on every packed byte, low and high nibble: the fp32 bits of the formats library's
+    E2M1 values (-0 for code 8; 0.5, code 1, through the subnormal 2**-127 times 2**126 in `_e2m1_nibble_to_f32`). On
+    the GPU also the PRMT table decode to bf16 (`_e2m1_bytes_to_bf16`, inline PTX)."""
+    from engine.formats import decode_codes
+
+    ptx = not INTERPRET
+    b = torch.arange(256, dtype=torch.int32, device=DEV)
+    outs = [torch.empty(256, device=DEV) for _ in range(6)]
+    _decode_fp4_bytes[(1,)](b, *outs, PTX=ptx)
+    want = [decode_codes((b & 15).to(torch.uint8), "e2m1").float(),
+            decode_codes((b >> 4).to(torch.uint8), "e2m1").float()]
+    assert torch.signbit(want[0][8]) and want[1][0x18] == 0.5  # -0 and a subnormal-path code are in the table
+    for got, ref in zip(outs[:6 if ptx else 4], want * 3):
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("bf16", "nvfp4"), ("bf16", "mxfp4"), ("fp32", "mxfp8")])
+@pytest.mark.parametrize("m, split", [(5, 1), (5, 3), (70, 1)])
+def test_mx_row_scales_give_the_gather_path_bits(G, monkeypatch, pair, m, split):
+    """The per-row scale loads (`MX_ROW_SCALES`) and, on the GPU, the PTX E2M1 decode with bf16 scaling (`MX_FP4_PTX`)
+    change how the operands are made, and the fused split-K reduce how partials are summed, not a bit of the output:
+    the same fp32 bits as one gathered scale load per element and the reduce kernel, decode and prefill tiles, with
+    a split, with a bias (NVFP4: and its tensor scale), blocks at the bottom of the float range included."""
+    from engine.formats import quantize
+
+    xkind, wspec = pair
+    n, k = 136, 608  # K % 128 != 0: a partial last chunk
+    w = _blocky(n, k, 1, 32, seed=m)
+    w[:, 32:64] *= 2.0 ** -30  # tiny blocks
+    w[:8, 96:160] *= 2.0 ** -124  # blocks at the bottom of the range: products below fp32's / bf16's normal minimum
+    wp = G.prepare_mx_weight(quantize(w, wspec))
+    args, kw = _mx_x(xkind, m, k, seed=m + 7)
+    outs = []
+    bias = torch.randn(n, device=DEV)
+    for rows, ptx, fused in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        monkeypatch.setattr(G, "MX_ROW_SCALES", rows)
+        monkeypatch.setattr(G, "MX_FP4_PTX", ptx)  # on the GPU only (mx_linear's gate)
+        outs.append(G.mx_linear(*args, wp, bias=bias, out_dtype=torch.float32, split_k=split, fused_reduce=fused,
+                                **kw))
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().sum() > 0
+    for out in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int32), out.view(torch.int32))
 
 
 @pytest.mark.interpreter

@@ -233,3 +233,101 @@ def test_swiglu_quant(shape):
     assert torch.equal(_bits(d), _bits(rd)) and _library_scales(s, rs)
     _, _, href = swiglu_quant_reference(g, u)
     assert torch.allclose(h, href, rtol=2e-5, atol=1e-30)  # tl.exp is the fast ex2 path: a few ulp
+
+
+# ------------------------------------------------------------------ MXFP8 (fmt="mxfp8")
+MX_KINDS = ["normal", "heavy", "zeros", "signed_zero", "wide", "denormal", "at_max", "nan", "inf", "ties", "mx_range"]
+
+
+def _mx_inputs(rows: int, k: int, kind: str) -> torch.Tensor:
+    """`_inputs`, plus "mx_range": blocks at E8M0's ends -- amaxes 2**-149 .. 2**127 (scale clamped to 2**-127 below
+    2**-119), block amaxes just under a power of two (floor rule: elements up to 2**9 saturate at 448)."""
+    if kind != "mx_range":
+        return _inputs(rows, k, kind)
+    g = torch.Generator(device=DEV).manual_seed(rows * 11 + k)
+    x = torch.randn(rows, k, device=DEV, generator=g)
+    exps = torch.randint(-149, 127, (rows, (k + 31) // 32), device=DEV, generator=g).float()
+    x = torch.ldexp(x.clamp(-1.9, 1.9), exps.repeat_interleave(32, dim=1)[:, :k])
+    x[:, 0] = 511.0  # 2**9 - 1 in a block whose amax sets X = 1: 511 saturates to 448
+    x[0, 32:64] = torch.ldexp(torch.tensor(1.0, device=DEV), torch.tensor(-130, device=DEV))  # subnormal amax
+    return x
+
+
+@pytest.mark.parametrize("kind", MX_KINDS)
+@pytest.mark.parametrize("shape", SHAPES + [(2, 100)])
+def test_act_quant_mxfp8_bit_exact(kind, shape):
+    """act_quant(fmt="mxfp8"): every FP8 byte and every E8M0 scale (as fp32) equals `quantize(x, "mxfp8")`'s,
+    fp32 and bf16 inputs, K not a multiple of 128 or of 32 included."""
+    from engine.kernels.quant import act_quant, act_quant_reference
+
+    x = _mx_inputs(*shape, kind)
+    for dtype in (torch.float32, torch.bfloat16):
+        xi = x.to(dtype).contiguous()
+        d, s = act_quant(xi, fmt="mxfp8")
+        rd, rs = act_quant_reference(xi, "mxfp8")
+        assert s.shape == rs.shape == (shape[0], (shape[1] + 31) // 32)
+        assert torch.equal(_bits(d), _bits(rd.to(d.device))), f"data bits differ ({kind}, {shape}, {dtype})"
+        assert _library_scales(s, rs), f"scale bits differ ({kind}, {shape}, {dtype})"
+
+
+def test_act_quant_mxfp8_hits_the_format_edges():
+    """The adversarial MX input really reaches the edges the test claims: the E8M0 floor (2**-127), saturated 448s,
+    NaN blocks and -0; a quantizer that skipped the clamp or the saturation would differ there."""
+    from engine.kernels.quant import act_quant
+
+    x = _mx_inputs(4, 1000, "mx_range")
+    x[1, 5] = float("nan")
+    x[2, 7] = -0.0
+    d, s = act_quant(x, fmt="mxfp8")
+    assert (s == 2.0 ** -127).any() and torch.isnan(s[1, 0]) and s[:, 0].eq(1.0).sum() >= 2
+    assert (d.float().abs() == 448.0).any() and torch.isnan(d[1, :32].float()).all()
+    assert _bits(d)[2, 7] == 0x80
+
+
+@pytest.mark.parametrize("tiling", [dict(mode="persistent"), dict(mode="chunked"), dict(single_pass=True),
+                                    dict(single_pass=False)])
+@pytest.mark.parametrize("kind", ["heavy", "zeros", "nan"])
+@pytest.mark.parametrize("shape", [(3, 1000), (5, 7168), (2, 172)])
+def test_rmsnorm_and_add_rmsnorm_quant_mxfp8(shape, kind, tiling):
+    """RMSNorm -> MXFP8 in every RMSNorm kernel: the quantization of the kernel's own normed values is library-exact,
+    the normed values are those of the 1x128 kernel with the same tiling (the format changes only the quantizer),
+    and the residual variant quantizes exactly its normed residual."""
+    from engine.kernels.quant import act_quant_reference, add_rmsnorm_quant, rmsnorm_quant
+
+    x = _inputs(*shape, kind).to(torch.bfloat16).contiguous()
+    w = (0.5 + torch.rand(shape[1], device=DEV)).contiguous()
+    if tiling.get("mode") == "persistent" and shape[1] % 128:
+        tiling = dict(mode="chunked")
+    d, s, h = rmsnorm_quant(x, w, 1e-5, return_hp=True, fmt="mxfp8", **tiling)
+    rd, rs = act_quant_reference(h, "mxfp8")
+    assert torch.equal(_bits(d), _bits(rd)) and _library_scales(s, rs)
+    _, _, h128 = rmsnorm_quant(x, w, 1e-5, return_hp=True, **tiling)
+    assert torch.equal(h.view(torch.int32), h128.view(torch.int32))
+    o = (_inputs(*shape, "normal") * 3).to(torch.bfloat16).contiguous()
+    r, d2, s2, h2 = add_rmsnorm_quant(x, o, w, 1e-5, fmt="mxfp8", **tiling)
+    rd2, rs2 = act_quant_reference(h2, "mxfp8")
+    assert torch.equal(_bits(d2), _bits(rd2)) and _library_scales(s2, rs2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_swiglu_quant_mxfp8(shape):
+    """SwiGLU -> MXFP8: library-exact on the kernel's own activation, which is the 1x128 kernel's."""
+    from engine.kernels.quant import act_quant_reference, swiglu_quant
+
+    g = _inputs(*shape, "heavy").clamp(-60, 60).to(torch.bfloat16).contiguous()
+    u = _inputs(*shape, "normal").to(torch.bfloat16).contiguous()
+    d, s, h = swiglu_quant(g, u, return_hp=True, fmt="mxfp8")
+    rd, rs = act_quant_reference(h, "mxfp8")
+    assert torch.equal(_bits(d), _bits(rd)) and _library_scales(s, rs)
+    _, _, h128 = swiglu_quant(g, u, return_hp=True)
+    assert torch.equal(h.view(torch.int32), h128.view(torch.int32))
+
+
+def test_quant_kernels_reject_other_formats():
+    """Only the two formats the kernels write: anything else is an error naming the call and the choices."""
+    from engine.kernels.quant import act_quant, swiglu_quant
+
+    x = torch.randn(2, 256, device=DEV)
+    for call in (lambda: act_quant(x, fmt="mxfp4"), lambda: swiglu_quant(x, x, fmt="e4m3:1x32")):
+        with pytest.raises(ValueError, match="mxfp8"):
+            call()

@@ -65,20 +65,25 @@ def test_native_matches_emulation_within_kernel_noise(model, recipe):
     cov = nat_engine.nx.coverage_summary()
     if recipe in ("fp8-block", "fp8-tensor", "bf16", "mxfp8", "fp8-block-embed"):
         assert cov.get("linear.native_frac", 0.0) == 1.0, cov
+    if recipe in ("fp8-block", "mxfp8"):  # activations quantized by the Triton kernels (MXFP8 since session 17)
+        assert cov.get("quant.native_frac", 0.0) == 1.0, cov
     assert cov.get("embed.native_frac") == 1.0, cov  # the table is held in its `embed` format
 
 
-def test_native_quantizer_is_bit_exact():
-    """NativeNumerics.quant (Triton) == engine.formats.quantize, bit for bit, incl. zeros and NaN groups."""
+@pytest.mark.parametrize("recipe, spec", [("fp8-block", "e4m3:1x128"), ("mxfp8", "mxfp8")])
+def test_native_quantizer_is_bit_exact(recipe, spec):
+    """NativeNumerics.quant (Triton) == engine.formats.quantize, bit for bit, incl. zeros and NaN groups, for both
+    activation formats the kernels write; the QTensor carries the spec and the library's scale shape."""
     from engine.formats import quantize
     from engine.native import NativeNumerics
     from engine.recipe import load_recipe
 
-    nx = NativeNumerics(load_recipe("fp8-block"))
+    nx = NativeNumerics(load_recipe(recipe))
     x = torch.randn(37, 3, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")
     x[0, 0] = 0.0
     x[1, 1, 5] = float("nan")
-    got, want = nx.quant(x, "linear.input", "layers.0.attn.qkv"), quantize(x, "e4m3:1x128")
+    got, want = nx.quant(x, "linear.input", "layers.0.attn.qkv"), quantize(x, spec)
+    assert got.spec == want.spec and got.scale.shape == want.scale.shape
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale.nan_to_num(-1.0), want.scale.nan_to_num(-1.0))
     assert nx.coverage["quant:native"] == 1

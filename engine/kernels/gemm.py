@@ -85,6 +85,20 @@ _SCALING = getattr(F, "ScalingType", None)
 
 # ============================================================================ kernels
 @triton.jit
+def _ts_bias(acc, ts_ptr, bias, HAS_TS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc * tensor scale (ts_ptr) + bias in fp32, one fma when both are present: the same rounding in every kernel
+    that applies them (a separate multiply and add is contracted to an fma, or not, at the compiler's choice: the
+    fused reduce and the reduce kernel differed in the last bit on the H200 that way)."""
+    if HAS_TS and HAS_BIAS:
+        acc = tl.fma(acc, tl.load(ts_ptr), bias)
+    elif HAS_TS:
+        acc = acc * tl.load(ts_ptr)
+    elif HAS_BIAS:
+        acc = acc + bias
+    return acc
+
+
+@triton.jit
 def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
               USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, ROUND_BF16: tl.constexpr = False):
     """Store acc (BN, BM) = a tile of out^T: raw fp32 partial sums to part[pid_s] (split-K), or
@@ -94,13 +108,42 @@ def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_
     if USE_PART:
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + idx, acc, mask=mask)
     else:
-        if HAS_TS:
-            acc = acc * tl.load(ts_ptr)
+        bias = 0.0
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        acc = _ts_bias(acc, ts_ptr, bias, HAS_TS, HAS_BIAS)
         if ROUND_BF16:  # a bf16 output held in an fp32 buffer (the engine's fp32 carrier): no cast kernel after
             acc = _round_bf16(acc)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, ts_ptr, cnt_ptr,
+                       BN: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr,
+                       ROUND_BF16: tl.constexpr):
+    """The fused split-K reduce, called by every split after storing its partial tile: the last split to arrive at
+    the tile's counter (cnt_ptr, per tile, reset to 0 by that split) sums all partials in split order from zero, times
+    the tensor scale, plus bias -- the fp32 operations of `_splitk_reduce_kernel`, so its bits, without its launch.
+    Each split's partial store is released by its arrival (acq_rel); the reset is a plain store, with no fence before
+    it: the next kernel to use the counter starts after this one has completed (session 11, benchmarks/results/
+    h200-2026-11-29-session11/: 0.5 us less per call than the acq_rel exchange it replaces)."""
+    tile = pid_m * tl.num_programs(0) + pid_n
+    tl.debug_barrier()  # every thread's partial store happens before the release below
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_splits - 1:
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tot = tl.zeros((BN, BM), dtype=tl.float32)
+        for s in range(n_splits):  # split order, as _splitk_reduce_kernel
+            tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tot = _ts_bias(tot, ts_ptr, bias, HAS_TS, HAS_BIAS)
+        if ROUND_BF16:
+            tot = _round_bf16(tot)
+        tl.store(out_ptr + idx, tot.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(cnt_ptr + tile, 0)  # ready for the next call (kernels on a stream complete in order)
 
 
 @triton.jit
@@ -188,12 +231,8 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
 
     The loop is `_scaled_steps` (also the fixed-reducer probe's, benchmarks/probe_kernels.py).
-    FUSED_REDUCE (split-K): the last split to finish a tile (per-tile arrival counter cnt_ptr, reset
-    to 0 by that split) sums all partials in split order itself -- the same bits as
-    `_splitk_reduce_kernel`, without its launch. Each split's partial store is released by its
-    arrival (acq_rel); the reset is a plain store, with no fence before it: the next kernel to use
-    the counter starts after this one has completed (session 11, benchmarks/results/
-    h200-2026-11-29-session11/: 0.5 us less per call than the acq_rel exchange it replaces)."""
+    FUSED_REDUCE (split-K): the last split to finish a tile sums all partials itself (`_last_split_reduce`, per-tile
+    arrival counters cnt_ptr): the same bits as `_splitk_reduce_kernel`, without its launch."""
     pdl_enter(PDL)
     pid_m = tl.program_id(1)
     if CLUSTER > 1:  # grid (N tiles * CLUSTER, M tiles) in clusters of CLUSTER: the splits of one tile
@@ -215,21 +254,8 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
         _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
                   USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
     if USE_PART and FUSED_REDUCE and CLUSTER == 1:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tl.debug_barrier()  # every thread's partial store happens before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-            idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-            tot = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(n_splits):  # split order, as _splitk_reduce_kernel
-                tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-            if ROUND_BF16:
-                tot = _round_bf16(tot)
-            tl.store(out_ptr + idx, tot.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr + tile, 0)  # ready for the next call (kernels on a stream complete in order)
+        _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, out_ptr, cnt_ptr,
+                           BN, BM, HAS_BIAS, False, ROUND_BF16)
 
 
 @triton.jit
@@ -314,6 +340,73 @@ def _e4m3_to_f32(code):
 
 
 @triton.jit
+def _e2m1_nibble_to_f32(b, SHIFT: tl.constexpr):
+    """The E2M1 code in bits SHIFT..SHIFT+3 of b (int32 bytes) -> fp32: its 3 magnitude bits placed at fp32 bits 22-24
+    read as value * 2**-126 (code 1, 0.5, as the subnormal 2**-127), times 2**126 (exact: mul.f32 keeps subnormals);
+    the sign bit moved to bit 31, so code 8 is -0."""
+    bits = ((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+# E2M1 magnitudes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) as bf16: the high bytes and the low bytes, 8 entries of each in a
+# pair of 32-bit PRMT tables (byte i of the pair = entry i).
+_E2M1_BF16_HI = (0x3F3F3F00, 0x40404040)
+_E2M1_BF16_LO = (0xC0800000, 0xC0804000)
+
+
+@triton.jit
+def _e2m1_bytes_to_bf16(b):
+    """Packed E2M1 bytes b (uint8) -> (low nibbles, high nibbles) as exact bf16 (code 8: -0), by PRMT table lookups in
+    inline PTX: per 4 bytes one mask, one shift, 4 lookups (4 codes each), 4 byte interleaves and the signs by 2 byte
+    moves, 2 shifts and 4 and-ors; ~2.3 instructions per element against ~5 for `_e2m1_nibble_to_f32` and its
+    rounding to bf16. The selector of a lookup is a code's 3 magnitude bits, so each 32-bit register of 4 bytes holds
+    the selectors of its first two bytes in bits 0-15 and of its last two in bits 16-31. CUDA only."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 w, m, h, l, s, t;
+        cvt.u32.u16 w, $2;
+        and.b32 m, w, 0x7777;
+        prmt.b32 h, 0x3F3F3F00, 0x40404040, m;
+        prmt.b32 l, 0xC0800000, 0xC0804000, m;
+        prmt.b32 $0, l, h, 0x6240;
+        prmt.b32 $1, l, h, 0x7351;
+        prmt.b32 s, w, 0, 0x1000;
+        and.b32 t, s, 0x80008000;
+        or.b32 $1, $1, t;
+        shl.b32 t, s, 4;
+        and.b32 t, t, 0x80008000;
+        or.b32 $0, $0, t;
+        }""",
+        "=r,=r,h", [b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _scale_tile(rows, blk0, limit, ok, NB: tl.constexpr):
+    """Scale entries blk0 .. blk0 + NB - 1 (those < limit) of each row (rows: (R,) pointers to the rows' scales), as
+    stored: (R, NB) fp32 values, E8M0 codes or E4M3 scales. A separate load, so the kernel can issue it a chunk
+    early."""
+    blk = blk0 + tl.arange(0, NB)
+    return tl.load(rows[:, None] + blk[None, :], mask=ok[:, None] & (blk < limit)[None, :], other=0.0)
+
+
+@triton.jit
+def _spread_scales(t, SB: tl.constexpr, KIND: tl.constexpr, SCALE_BITS: tl.constexpr, DT: tl.constexpr):
+    """A (R, NB) tile of `_scale_tile` as (R, NB * SB) values in DT, each scale repeated over its SB columns. KIND 0:
+    fp32 values; 1: E8M0 codes; 2: E4M3 scales, decoded by `_e4m3_to_f32` when SCALE_BITS, else by the FP8 cast.
+    Exact in bf16: powers of two and E4M3 values are bf16 numbers."""
+    if KIND == 0:
+        v = t
+    elif KIND == 1:
+        v = _e8m0_to_f32(t.to(tl.int32))
+    elif SCALE_BITS:
+        v = _e4m3_to_f32(t.to(tl.uint8, bitcast=True).to(tl.int32))
+    else:
+        v = t.to(tl.float32)
+    v = v.to(DT)
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], SB)), (v.shape[0], v.shape[1] * SB))
+
+
+@triton.jit
 def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr, SCALE_BITS: tl.constexpr):
     """Weight elements wv (BN, 64) fp32 times their block scales (gathered per column), as bf16. E4M3 scales (NVFP4)
     convert by `_e4m3_to_f32` when SCALE_BITS, else by the FP8 cast."""
@@ -338,15 +431,50 @@ def _mx_act(x_rows, xs_rows, kk, m_ok, K, X_SCALED: tl.constexpr):
     return xv.to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "n_chunks", "chunks_per_split", "stride_xsm", "stride_wsn"])
-def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bias_ptr,
+@triton.jit
+def _chunk_scales(ws_n, xs_m, c, n_chunks, K, n_ok, m_ok, NBW: tl.constexpr, X_SCALED: tl.constexpr):
+    """The `_scale_tile`s of 128-column chunk c: weight scales of its two 64-column halves (NBW per row each) and,
+    with X_SCALED, the activations' 1x32 scales of both halves (else the weight tiles again, unused)."""
+    ws_lo = _scale_tile(ws_n, c * 2 * NBW, n_chunks * 2 * NBW, n_ok, NBW)
+    ws_hi = _scale_tile(ws_n, c * 2 * NBW + NBW, n_chunks * 2 * NBW, n_ok, NBW)
+    if X_SCALED:
+        xs_lo = _scale_tile(xs_m, c * 4, tl.cdiv(K, 32), m_ok, 2)
+        xs_hi = _scale_tile(xs_m, c * 4 + 2, tl.cdiv(K, 32), m_ok, 2)
+    else:
+        xs_lo = ws_lo
+        xs_hi = ws_hi
+    return ws_lo, ws_hi, xs_lo, xs_hi
+
+
+@triton.jit
+def _mx_half(acc, w_vals, w_sc, x_sc, x_rows, k0, h, m_ok, K, W_SB: tl.constexpr, W_KIND: tl.constexpr,
+             X_SCALED: tl.constexpr, SCALE_BITS: tl.constexpr):
+    """acc += (w_vals * weight scales) @ (x * x scales)^T over the 64 columns k0 + h (k0 a multiple of 64; w_sc, x_sc
+    their `_scale_tile`s). Both products are exact in bf16 (E2M1 / E4M3 / E5M2 times a power of two or an E4M3 scale;
+    MX fp8 times a power of two), so w_vals in bf16 (multiplied in bf16) or fp32 (in fp32, then rounded) give the same
+    operand bits."""
+    w = (w_vals * _spread_scales(w_sc, W_SB, W_KIND, SCALE_BITS, w_vals.dtype)).to(tl.bfloat16)
+    kk = k0 + h
+    ok = m_ok[:, None] & (kk < K)[None, :]
+    xv = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+    if X_SCALED:
+        xv = xv * _spread_scales(x_sc, 32, 0, SCALE_BITS, tl.float32)
+    return tl.dot(w, tl.trans(xv.to(tl.bfloat16)), acc)
+
+
+@triton.jit(do_not_specialize=["M", "N", "n_chunks", "chunks_per_split", "stride_xsm", "stride_wsn"])
+def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bias_ptr, cnt_ptr,
                     M, N, K, n_chunks, chunks_per_split, stride_xm, stride_xsm, stride_wn, stride_wsn,
                     BM: tl.constexpr, BN: tl.constexpr, X_SCALED: tl.constexpr, W_FP4: tl.constexpr,
                     W_SB: tl.constexpr, W_E8M0: tl.constexpr, HAS_TS: tl.constexpr,
-                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BITS: tl.constexpr = True):
+                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BITS: tl.constexpr = True,
+                    ROW_SCALES: tl.constexpr = True, FP4_PTX: tl.constexpr = False,
+                    FUSED_REDUCE: tl.constexpr = False):
     """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
     (packed FP4: low / high nibbles of the same 64 bytes; FP8: two loads) are decoded, scaled
-    into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T."""
+    into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T.
+    ROW_SCALES: each row's block scales loaded once per half (`_row_scales`) and FP4 decoded by `_e2m1_nibble_to_f32`;
+    else one gathered scale load per element and `_e2m1_to_f32` (sessions 2-16, kept for the A/B probe)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -356,45 +484,73 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    ws_rows = ws_ptr + offs_n.to(tl.int64)[:, None] * stride_wsn
+    ws_n = ws_ptr + offs_n.to(tl.int64) * stride_wsn
+    ws_rows = ws_n[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    xs_rows = xs_ptr + offs_m.to(tl.int64)[:, None] * stride_xsm
+    xs_m = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    xs_rows = xs_m[:, None]
     c0 = pid_s * chunks_per_split
     c1 = tl.minimum(c0 + chunks_per_split, n_chunks)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    W_KIND: tl.constexpr = 1 if W_E8M0 else 2
+    NBW: tl.constexpr = 64 // W_SB  # weight scales per row and 64-column half
+    if ROW_SCALES:  # each chunk's scale tiles are loaded one chunk ahead
+        ws_lo, ws_hi, xs_lo, xs_hi = _chunk_scales(ws_n, xs_m, c0, n_chunks, K, n_ok, m_ok, NBW, X_SCALED)
     for c in range(c0, c1):
         k_lo = c * 128 + h
         k_hi = k_lo + 64
-        if W_FP4:
-            b = tl.load(w_rows + (c * 64 + h)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-            w_lo = _e2m1_to_f32(b & 15)
-            w_hi = _e2m1_to_f32(b >> 4)
+        if ROW_SCALES:
+            ws_lo_n, ws_hi_n, xs_lo_n, xs_hi_n = _chunk_scales(ws_n, xs_m, tl.minimum(c + 1, c1 - 1), n_chunks, K,
+                                                               n_ok, m_ok, NBW, X_SCALED)
+            if W_FP4:
+                b = tl.load(w_rows + (c * 64 + h)[None, :], mask=n_ok[:, None], other=0)
+                if FP4_PTX:
+                    wl, wh = _e2m1_bytes_to_bf16(b)
+                else:
+                    wl = _e2m1_nibble_to_f32(b.to(tl.int32), 0)
+                    wh = _e2m1_nibble_to_f32(b.to(tl.int32), 4)
+            else:
+                wl = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+                wh = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            acc = _mx_half(acc, wl, ws_lo, xs_lo, x_rows, c * 128, h, m_ok, K, W_SB, W_KIND, X_SCALED, SCALE_BITS)
+            acc = _mx_half(acc, wh, ws_hi, xs_hi, x_rows, c * 128 + 64, h, m_ok, K, W_SB, W_KIND, X_SCALED,
+                           SCALE_BITS)
+            ws_lo, ws_hi, xs_lo, xs_hi = ws_lo_n, ws_hi_n, xs_lo_n, xs_hi_n
         else:
-            w_lo = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            w_hi = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0, SCALE_BITS)
-        acc = tl.dot(w_lo, tl.trans(_mx_act(x_rows, xs_rows, k_lo, m_ok, K, X_SCALED)), acc)
-        w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0, SCALE_BITS)
-        acc = tl.dot(w_hi, tl.trans(_mx_act(x_rows, xs_rows, k_hi, m_ok, K, X_SCALED)), acc)
+            if W_FP4:
+                b = tl.load(w_rows + (c * 64 + h)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+                w_lo = _e2m1_to_f32(b & 15)
+                w_hi = _e2m1_to_f32(b >> 4)
+            else:
+                w_lo = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+                w_hi = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0, SCALE_BITS)
+            acc = tl.dot(w_lo, tl.trans(_mx_act(x_rows, xs_rows, k_lo, m_ok, K, X_SCALED)), acc)
+            w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0, SCALE_BITS)
+            acc = tl.dot(w_hi, tl.trans(_mx_act(x_rows, xs_rows, k_hi, m_ok, K, X_SCALED)), acc)
     _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
               USE_PART, HAS_BIAS, HAS_TS)
+    if USE_PART and FUSED_REDUCE:
+        _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, tl.num_programs(2), part_ptr, out_ptr, bias_ptr, ts_ptr,
+                           cnt_ptr, BN, BM, HAS_BIAS, HAS_TS, False)
 
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
                           HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK: tl.constexpr,
                           ROUND_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out = (sum over s = 0..S-1, in that order, of part[s]) * tensor_scale + bias, cast to out's dtype."""
+    """out = (sum over s = 0..S-1, in that order, of part[s]) * tensor_scale + bias (`_ts_bias`), cast to out's
+    dtype."""
     pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(S):
         acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
-    if HAS_TS:
-        acc = acc * tl.load(ts_ptr)
+    bias = 0.0
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    acc = _ts_bias(acc, ts_ptr, bias, HAS_TS, HAS_BIAS)
     if ROUND_BF16:
         acc = _round_bf16(acc)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -515,14 +671,40 @@ DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce",
 # rows TMA cannot read) BM 64 takes the split rule.
 SPLIT_FILL = 0.9
 WHOLE_K_AT_BM64 = True
-# The MX kernel (dequantize in the loop, more work per byte than the FP8 kernel) wants more programs per SM: 4, measured
-# as a decode step runs it (CUDA graph over weight copies; benchmarks/results/h200-2026-11-30-session16/
-# probe_mx_split.txt, 6 shapes x M = 1 / 4 / 16 / 32 x 1-16 splits, `split_rule_eval.py --mx`), pick / best split:
-# bf16 x MXFP4 1.004x (worst 1.03), bf16 x NVFP4 1.024x (1.19), MXFP8 x MXFP8 1.041x (1.12); the 2 per SM of sessions
-# 3-15 gave 1.046x (1.24) / 1.061x (1.34) / 1.036x (1.14): 28672x4096 got one split, 15-18% slower than 2-4.
-MX_SPLIT_FILL = 4.0
+# The MX kernel's split rule by tile height BM: (programs per SM to fill, at least this many splits), measured as a
+# decode step runs it (CUDA graph over weight copies, `probe_kernels.py --only mx_split`: 6 shapes x M = 1 / 4 / 16 / 32
+# x 1-16 splits; `split_rule_eval.py --mx`), pick / best split, geometric mean per pair:
+# - session 17 (benchmarks/results/h200-2026-11-30-session17/probe_mx_split.txt; the kernel with per-row scale tiles,
+#   the PTX E2M1 decode and the fused reduce, 2.5-10x faster than session 16's): this rule 1.003x (bf16 x MXFP4),
+#   1.000x (bf16 x NVFP4), 1.000x (MXFP8 x MXFP8), worst point 1.013x. Fitted on that sweep (no held-out shapes):
+#   - BM 16: 2 per SM, but 2 splits where that gives one (28672x4096, 448 tiles: one split 7-13% slower than two);
+#     without the floor 1.017 / 1.016 / 1.008x, worst 1.13x; 4 per SM (session 16's) 1.004 / 1.011 / 1.038x, worst
+#     1.18x (6144x4096 wants 4 splits, not 8);
+#   - BM 32: 1.5 per SM, 1.000x for all three (2 per SM 1.08-1.13x, 4: 1.15-1.18x): with twice the activation rows a
+#     program does more work per weight byte, and fewer, longer splits win.
+#   BM 64 (M 33-64) was not swept and takes BM 32's rule.
+# - session 16 (h200-2026-11-30-session16/probe_mx_split.txt, the slower kernel) had chosen 4 per SM at every BM.
+MX_SPLIT_RULE = {16: (2.0, 2), 32: (1.5, 1)}
+
+
+def mx_split_k(tiles: int, steps: int, sms: int, bm: int) -> int:
+    """K splits of the MX kernel for `tiles` output tiles of height bm and `steps` 128-column chunks on `sms` SMs:
+    `_split_k` at the fill of `MX_SPLIT_RULE` (heights it lacks take the largest listed one's), raised to the rule's
+    floor where each split keeps >= 4 chunks."""
+    fill, floor = MX_SPLIT_RULE.get(bm, MX_SPLIT_RULE[max(MX_SPLIT_RULE)])
+    s = _split_k(tiles, steps, sms, fill)
+    return max(s, floor) if steps // floor >= 4 else s
 # NVFP4's E4M3 block scales decoded by bit arithmetic (`_e4m3_to_f32`) instead of the FP8 cast (same values).
 MX_SCALE_BITS = True
+# Each row's block scales loaded once per 64 columns and E2M1 decoded by shifts and one multiply (`_row_scales`,
+# `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and `_e2m1_to_f32` (same bits).
+MX_ROW_SCALES = True
+# With MX_ROW_SCALES on NVIDIA CUDA: packed E2M1 decoded to bf16 by PRMT table lookups in inline PTX
+# (`_e2m1_bytes_to_bf16`) and multiplied by the block scales in bf16 (same bits; never under the CPU interpreter).
+MX_FP4_PTX = True
+# MX split-K partials summed by the last split of each tile (`_last_split_reduce`) on CUDA, as FUSED_REDUCE_DEFAULT for
+# the FP8 kernel (same bits as the reduce kernel).
+MX_FUSED_REDUCE = True
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
 # num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
 # clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
@@ -1209,7 +1391,8 @@ def _mx_operands(x: Any, w: Any, x_scale: Optional[torch.Tensor]):
 
 
 def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-              out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None,
+              fused_reduce: Optional[bool] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with an MXFP8 / MXFP4 / NVFP4 weight, dequantized inside the Triton kernel.
 
     Args:
@@ -1220,6 +1403,9 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
             on every call).
         bias: (N,) or None, added in fp32. out_dtype: bf16 / fp16 / fp32.
         split_k: override the heuristic number of K splits.
+        fused_reduce: split-K partials summed by the last split of each tile (`_last_split_reduce`, the bits of the
+            reduce kernel, one launch fewer; calls must run in stream order, see `_tile_counters`); default
+            `MX_FUSED_REDUCE` on CUDA.
 
     Returns:
         (M, N) (or (..., N)) in out_dtype.
@@ -1235,18 +1421,23 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
     if m > 64:
         bm, bn = 128, 64  # a (64, 128) bf16 MMA tile keeps the dequantized operands in registers
     n_chunks = w.data.shape[1] * (2 if w.is_fp4 else 1) // MX_CHUNK
-    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k, MX_SPLIT_FILL)
+    if split_k is None and m <= 64:
+        split_k = mx_split_k(_cdiv(n, bn) * _cdiv(m, bm), n_chunks, sm_count(x2.device), bm)
+    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k)
     part = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else out
     ts = w.tensor_scale
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
+    fused = (MX_FUSED_REDUCE and x2.is_cuda if fused_reduce is None else bool(fused_reduce)) and splits > 1
     _mx_gemm_kernel[grid](
         x2, xs if xs is not None else x2, w.data, w.scale, ts if ts is not None else out, out, part,
-        bias if bias is not None else out, m, n, k, n_chunks, per,
+        bias if bias is not None else out, _tile_counters(x2.device, grid[0] * grid[1]) if fused else out,
+        m, n, k, n_chunks, per,
         x2.stride(0), xs.stride(0) if xs is not None else 0, w.data.stride(0), w.scale.stride(0),
         BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
-        HAS_TS=ts is not None and splits == 1, USE_PART=splits > 1, HAS_BIAS=bias is not None and splits == 1,
-        SCALE_BITS=MX_SCALE_BITS, num_warps=4, num_stages=3)
-    if splits > 1:
+        HAS_TS=ts is not None, USE_PART=splits > 1, HAS_BIAS=bias is not None, SCALE_BITS=MX_SCALE_BITS,
+        ROW_SCALES=MX_ROW_SCALES, FP4_PTX=MX_FP4_PTX and x2.is_cuda and torch.version.hip is None,
+        FUSED_REDUCE=fused, num_warps=4, num_stages=3)
+    if splits > 1 and not fused:
         _reduce(part, out, bias, ts)
     return out.reshape(*lead, n)
 

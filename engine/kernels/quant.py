@@ -1,4 +1,4 @@
-"""Triton kernels: fused RMSNorm -> FP8 quant and SwiGLU -> FP8 quant (E4M3, 1x128 per-token groups).
+"""Triton kernels: fused RMSNorm -> FP8 quant and SwiGLU -> FP8 quant (E4M3, 1x128 per-token groups or MXFP8).
 
 Each kernel writes FP8 data plus fp32 group scales in the layout of
 `engine.formats.quantize(x, "e4m3:1x128")` (data (M, K) float8_e4m3fn, scales
@@ -10,6 +10,10 @@ Each kernel writes FP8 data plus fp32 group scales in the layout of
 * element = RNE(x / scale) with `tl.div_rn` -- on CUDA the same quotient from the reciprocal refinement of
   `_div_by_scale` wherever it is exact (`_quant_groups` FAST) -- converted to E4M3 with
   round-to-nearest-even (values never exceed 448 for dynamic scales).
+
+With ``fmt="mxfp8"`` every kernel quantizes to OCP MXFP8 instead (`_quant_groups_mx`): E4M3 elements with one
+E8M0 scale per 1x32 block, in the layout and bits of `engine.formats.quantize(x, "mxfp8")` (scales (M, ceil(K/32))
+fp32 powers of two).
 
 The norm / activation part is fp32 math whose reduction order differs from
 torch's, so the fused kernels can return their pre-quant values
@@ -65,8 +69,10 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST: tl.constexpr = False):
-    """Quantize h (R, 128) fp32, tile row r = the 1x128 group grp[r] of row row[r]; store FP8 data and R scales.
+def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST: tl.constexpr = False,
+                  MX: tl.constexpr = False):
+    """Quantize h (R, 128) fp32, tile row r = the 1x128 group grp[r] of row row[r]; store FP8 data and R scales
+    (MX: MXFP8, 4 block scales per tile row, `_quant_groups_mx`).
 
     Masked-out elements must be 0 in h (they never raise an amax).
 
@@ -77,7 +83,9 @@ def _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST: tl.cons
     off, mask, _ = _group_offsets(row, grp, M, K)
     smask = (row < M) & (grp < n_groups)
     sptr = scale_ptr + row.to(tl.int64) * n_groups + grp
-    if FAST:
+    if MX:
+        _quant_groups_mx(h, row, grp, M, K, off, mask, out_ptr, scale_ptr)
+    elif FAST:
         amax, bad = _fast_domain(h, smask)
         if tl.max(bad, axis=0) == 0:
             _quant_groups_fast(h, amax, off, mask, sptr, smask, out_ptr)
@@ -162,6 +170,31 @@ def _quant_groups_ieee(h, off, mask, sptr, smask, out_ptr):
 
 
 @triton.jit
+def _quant_groups_mx(h, row, grp, M, K, off, mask, out_ptr, scale_ptr):
+    """OCP MXFP8 of h (R, 128): tile row r holds the 1x32 blocks 4*grp[r] .. 4*grp[r]+3 of row row[r]. Per block
+    (the bits of `engine.formats.quantize(x, "mxfp8")`): X = 2**(floor(log2(amax)) - 8) read from amax's exponent
+    field and clamped to E8M0's 2**-127 (all-zero and tiny blocks, amax < 2**-119), NaN for a block holding a NaN or
+    an inf; elements x * (1/X) -- exact, 1/X is a power of two -- rounded to E4M3 (RNE, saturating at 448: with the
+    floor rule amax / X reaches up to 2**9); NaN in a NaN block. No division, so no fast / IEEE split. Scales go to
+    scale_ptr as (M, ceil(K/32)) fp32; masked-out elements must be 0 in h."""
+    R: tl.constexpr = h.shape[0]
+    h3 = tl.reshape(h, (R, 4, 32))
+    amax = tl.reduce(tl.abs(h3), 2, _max_keep_nan)  # (R, 4)
+    ef = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent; 0 for zero and subnormal amaxes
+    e = tl.maximum(ef - 135, -127)  # floor(log2(amax)) - emax(E4M3) = (ef - 127) - 8, E8M0-clamped
+    bad = ef == 255  # NaN or inf in the block
+    scale = tl.where(e > -127, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)  # 2**-127: subnormal
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, a normal number for every e in [-127, 119]
+    scale = tl.where(bad, float("nan"), scale)
+    inv = tl.where(bad, float("nan"), inv)
+    y = tl.reshape(h3 * inv[:, :, None], (R, 128))
+    tl.store(out_ptr + off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    nb = tl.cdiv(K, 32)
+    blk = grp[:, None] * 4 + tl.arange(0, 4)[None, :]
+    tl.store(scale_ptr + row.to(tl.int64)[:, None] * nb + blk, scale, mask=(row < M)[:, None] & (blk < nb))
+
+
+@triton.jit
 def _rstd(ss, K, eps):
     """1 / sqrt(ss / K + eps) with IEEE-rounded division and square root (ss: sums of squares)."""
     var = tl.div_rn(ss, tl.full(ss.shape, K, tl.float32))
@@ -170,26 +203,26 @@ def _rstd(ss, K, eps):
 
 @triton.jit
 def _norm_quant_store(x, rstd, row, grp, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
-                      STORE_HP: tl.constexpr, FAST: tl.constexpr):
+                      STORE_HP: tl.constexpr, FAST: tl.constexpr, MX: tl.constexpr = False):
     """h = w * (x * rstd) for x (R, 128) fp32 (rstd (R,) per tile row); optionally store h; quantize h."""
     off, mask, cols = _group_offsets(row, grp, M, K)
     w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     h = w * (x * rstd[:, None])
     if STORE_HP:
         tl.store(hp_ptr + off, h, mask=mask)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST, MX)
 
 
 # ---------------------------------------------------------------------- kernels
 @triton.jit
 def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, M, K, n_groups, BM: tl.constexpr, GB: tl.constexpr,
-                      FAST: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Grid (row blocks, group blocks): plain 1x128 quantization of a (BM rows x GB groups) tile."""
+                      FAST: tl.constexpr = False, PDL: tl.constexpr = False, MX: tl.constexpr = False):
+    """Grid (row blocks, group blocks): plain 1x128 (MX: MXFP8) quantization of a (BM rows x GB groups) tile."""
     pdl_enter(PDL)
     row, grp = _tile_rows(tl.program_id(0), tl.program_id(1), BM, GB)
     off, mask, _ = _group_offsets(row, grp, M, K)
     h = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST, MX)
 
 
 @triton.jit
@@ -232,7 +265,7 @@ def _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES: tl.constexpr, RES
 def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
                           BM: tl.constexpr, GB: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
                           STORE_HP: tl.constexpr, HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False,
-                          FAST: tl.constexpr = False, PDL: tl.constexpr = False):
+                          FAST: tl.constexpr = False, PDL: tl.constexpr = False, MX: tl.constexpr = False):
     """Grid (row blocks,): BM rows per program, walked in (BM*GB, 128) tiles (GB groups of each row).
 
     ONE_PASS (GB*128 >= K): the whole rows stay in registers (x read once). Otherwise pass 1 sums x^2
@@ -261,20 +294,20 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rou
         tot = tl.sum(tl.reshape(ss, (BM, GB)), axis=1)  # (BM,)
         rstd = tl.reshape(tl.broadcast_to(_rstd(tot, K, eps)[:, None], (BM, GB)), (BM * GB,))
     if ONE_PASS:
-        _norm_quant_store(x, rstd, row, sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups, STORE_HP, FAST)
+        _norm_quant_store(x, rstd, row, sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups, STORE_HP, FAST, MX)
     else:
         for g0 in tl.range(0, n_groups, GB, num_stages=STAGES):
             off, mask, _ = _group_offsets(row, g0 + sub, M, K)
             xc = _residual_in(x_ptr, res_ptr, rout_ptr, off, mask, HAS_RES, RES_BF16, True, 2)
             _norm_quant_store(xc, rstd, row, g0 + sub, w_ptr, hp_ptr, out_ptr, scale_ptr, M, K, n_groups,
-                              STORE_HP, FAST)
+                              STORE_HP, FAST, MX)
 
 
 @triton.jit
 def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, res_ptr, rout_ptr, M, K, n_groups, eps,
                                      G: tl.constexpr, STAGES: tl.constexpr, STORE_HP: tl.constexpr,
                                      HAS_RES: tl.constexpr = False, RES_BF16: tl.constexpr = False,
-                                     FAST: tl.constexpr = False, PDL: tl.constexpr = False):
+                                     FAST: tl.constexpr = False, PDL: tl.constexpr = False, MX: tl.constexpr = False):
     """Grid (programs,): one pass over whole rows (G = n_groups rounded up to a power of two groups per
     (G, 128) tile). Each program loops over rows pid, pid + programs, ...; STAGES > 1 pipelines the
     loop, so the next rows are loading (into shared memory) while this one is normalized and
@@ -299,14 +332,16 @@ def _rmsnorm_quant_persistent_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, hp_ptr, r
         if STORE_HP:
             tl.store(hp_ptr + off, h, mask=cmask)
         rows = tl.zeros((G,), tl.int32) + row
-        if FAST:
+        if MX:
+            _quant_groups(h, rows, g, M, K, n_groups, out_ptr, scale_ptr, False, True)
+        elif FAST:
             smask = (rows < M) & (g < n_groups)
             amax, bad_row = _fast_domain(h, smask)
             _quant_groups_fast(h, amax, off, cmask, scale_ptr + rows.to(tl.int64) * n_groups + g, smask, out_ptr)
             bad = bad | bad_row
         else:
             _quant_groups(h, rows, g, M, K, n_groups, out_ptr, scale_ptr, False)
-    if FAST:
+    if FAST and not MX:
         if tl.max(bad, axis=0) > 0:
             _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K, n_groups, eps, HAS_RES)
 
@@ -344,8 +379,9 @@ def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K,
 @triton.jit
 def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_groups, stride_g, stride_u,
                          BM: tl.constexpr, GB: tl.constexpr, FAST_SILU: tl.constexpr, STORE_HP: tl.constexpr,
-                         FAST: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 quant.
+                         FAST: tl.constexpr = False, PDL: tl.constexpr = False, MX: tl.constexpr = False):
+    """Grid (row blocks, group blocks): h = silu(g) * u = g / (1 + exp(-g)) * u in fp32, then 1x128 (MX: MXFP8)
+    quant.
     g and u are read at their own row strides (stride_g / stride_u elements; columns contiguous), so the two
     halves of a gate/up GEMM output are read in place; out, scales and hp are contiguous (M, K).
 
@@ -362,7 +398,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_group
         h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     if STORE_HP:
         tl.store(hp_ptr + off, h, mask=mask)
-    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST)
+    _quant_groups(h, row, grp, M, K, n_groups, out_ptr, scale_ptr, FAST, MX)
 
 
 # --------------------------------------------------------------------- wrappers
@@ -416,10 +452,22 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
 
 
-def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool):
-    """Allocate FP8 data, scales and (optionally) the fp32 pre-quant buffer."""
+QUANT_FORMATS = ("e4m3:1x128", "mxfp8")  # what the kernels write (`fmt`)
+
+
+def _mx_fmt(fmt: str, name: str) -> bool:
+    """True for fmt "mxfp8", False for "e4m3:1x128"; anything else is an error naming the call."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"{name}: fmt {fmt!r}: the quant kernels write one of {QUANT_FORMATS}")
+    return fmt == "mxfp8"
+
+
+def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool, mx: bool = False):
+    """Allocate FP8 data, scales (one per 1x128 group, or per 1x32 block for MX) and (optionally) the fp32
+    pre-quant buffer."""
     out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty((*x.shape[:-1], groups), device=x.device, dtype=torch.float32)
+    scales = torch.empty((*x.shape[:-1], triton.cdiv(k, 32) if mx else groups), device=x.device,
+                         dtype=torch.float32)
     hp = torch.empty(x.shape, device=x.device, dtype=torch.float32) if return_hp else out
     return out, scales, hp
 
@@ -438,37 +486,42 @@ SMALL_ROW_GROUPS = 32  # rows of <= 32 groups (K <= 4096) default to the one-pas
 ROW_KERNEL_MAX_GROUPS = 128  # one-pass kernels hold at most 128 groups (16384 columns) per row in registers
 
 
-def act_quant(x: torch.Tensor, *, bm: int | None = None, gb: int | None = None,
+def act_quant(x: torch.Tensor, *, fmt: str = "e4m3:1x128", bm: int | None = None, gb: int | None = None,
               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 1x128 quantization of x (..., K): (data (..., K) fp8, scales (..., ceil(K/128)) fp32).
+    """E4M3 1x128 quantization of x (..., K): (data (..., K) fp8, scales (..., ceil(K/128)) fp32); fmt="mxfp8":
+    MXFP8, scales (..., ceil(K/32)) (E8M0 values as fp32).
 
     Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`;
     None takes `ACT_QUANT_DEFAULTS`. Reference: `act_quant_reference`."""
+    mx = _mx_fmt(fmt, "act_quant")
     rows, k, groups = _launch_shape(x)
     bm = _pow2_knob("bm", _default_bm(ACT_QUANT_DEFAULTS["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", ACT_QUANT_DEFAULTS["gb"] if gb is None else gb, 64)
-    out, scales, _ = _outputs(x, rows, k, groups, False)
+    out, scales, _ = _outputs(x, rows, k, groups, False, mx)
     if rows == 0 or k == 0:
         return out, scales
     _act_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
-        x, out, scales, rows, k, groups, BM=bm, GB=gb, FAST=fast_division(x),
+        x, out, scales, rows, k, groups, BM=bm, GB=gb, FAST=fast_division(x) and not mx, MX=mx,
         num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"], **launch_opts(x))
     return out, scales
 
 
-def act_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The formats library's e4m3:1x128 quantization, the bits every kernel must reproduce."""
+def act_quant_reference(x: torch.Tensor, fmt: str = "e4m3:1x128") -> tuple[torch.Tensor, torch.Tensor]:
+    """The formats library's quantization to fmt ("e4m3:1x128" or "mxfp8"), the bits every kernel must
+    reproduce."""
     from engine.formats import quantize
 
-    q = quantize(x.float(), "e4m3:1x128")
+    _mx_fmt(fmt, "act_quant_reference")
+    q = quantize(x.float(), fmt)
     return q.data, q.scale
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: bool = False,
                   single_pass: bool | None = None, *, mode: str | None = None, bm: int | None = None,
                   gb: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  programs_per_sm: int | None = None):
-    """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]).
+                  programs_per_sm: int | None = None, fmt: str = "e4m3:1x128"):
+    """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]);
+    fmt="mxfp8": MXFP8 (see `act_quant`).
 
     Kernels (knob None -> `RMSNORM_DEFAULTS` (persistent) for rows of up to `ROW_KERNEL_MAX_GROUPS` groups,
     `RMSNORM_CHUNKED_DEFAULTS` for wider rows and mode="chunked"; except rows of at most `SMALL_ROW_GROUPS`
@@ -484,18 +537,19 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
     `single_pass=True` is the one-row-per-program one-pass kernel (chunked, bm=1, gb >= groups);
     `single_pass=False` the chunked two-pass kernel with the given / default tiling.
     """
+    mx = _mx_fmt(fmt, "rmsnorm_quant")
     rows, k, groups = _launch_shape(x)
     _check_norm_weight(x, weight, k)
-    out, scales, hp = _outputs(x, rows, k, groups, return_hp)
+    out, scales, hp = _outputs(x, rows, k, groups, return_hp, mx)
     _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, None, None, rows, k, groups, eps, return_hp, False,
-                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm)
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx)
     return (out, scales, hp) if return_hp else (out, scales)
 
 
 def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
-                      round_bf16: bool = True, **tiling):
-    """Residual add + RMSNorm + E4M3 1x128 quant in one pass: r = x + res (fp32 add, rounded to bf16 and
-    held in fp32 with `round_bf16`), then the fused RMSNorm -> quant of r.
+                      round_bf16: bool = True, fmt: str = "e4m3:1x128", **tiling):
+    """Residual add + RMSNorm + E4M3 1x128 (fmt="mxfp8": MXFP8) quant in one pass: r = x + res (fp32 add, rounded
+    to bf16 and held in fp32 with `round_bf16`), then the fused RMSNorm -> quant of r.
 
     x, res: (..., K) contiguous fp32 / bf16, same shape. Returns (r fp32 (..., K), data, scales, normed fp32
     (..., K)); the norm's bits are `rmsnorm_quant(r, weight, eps, return_hp=True)`'s with the same tiling
@@ -505,11 +559,12 @@ def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"add_rmsnorm_quant: res must be a contiguous tensor of x's shape {tuple(x.shape)} on "
                          f"{x.device}, got {tuple(res.shape)} on {res.device}")
     _check_norm_weight(x, weight, k)
-    out, scales, hp = _outputs(x, rows, k, groups, True)
+    mx = _mx_fmt(fmt, "add_rmsnorm_quant")
+    out, scales, hp = _outputs(x, rows, k, groups, True, mx)
     r = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, res, r, rows, k, groups, eps, True, round_bf16,
                     tiling.get("single_pass"), tiling.get("mode"), tiling.get("bm"), tiling.get("gb"),
-                    tiling.get("num_warps"), tiling.get("num_stages"), tiling.get("programs_per_sm"))
+                    tiling.get("num_warps"), tiling.get("num_stages"), tiling.get("programs_per_sm"), mx)
     return r, out, scales, hp
 
 
@@ -521,8 +576,9 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
 
 
 def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, return_hp, round_bf16,
-                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm) -> None:
-    """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual."""
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx=False) -> None:
+    """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual; `mx`:
+    MXFP8."""
     d, c = RMSNORM_DEFAULTS, RMSNORM_CHUNKED_DEFAULTS
     small = (groups <= SMALL_ROW_GROUPS and single_pass is None and mode is None and bm is None and gb is None)
     if small:  # 16 warps: the single row's loads, reduction and stores spread over more threads (latency-bound;
@@ -554,37 +610,39 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
         _rmsnorm_quant_persistent_kernel[(progs,)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, G=triton.next_power_of_2(groups), STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, FAST=fast_division(x), num_warps=warps, **launch_opts(x))
+            RES_BF16=round_bf16, FAST=fast_division(x) and not mx, MX=mx, num_warps=warps, **launch_opts(x))
     elif mode == "chunked":
         _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, FAST=fast_division(x), num_warps=warps, **launch_opts(x))
+            RES_BF16=round_bf16, FAST=fast_division(x) and not mx, MX=mx, num_warps=warps, **launch_opts(x))
     else:
         raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
 
 
 def add_rmsnorm_quant_reference(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
-                                round_bf16: bool = True):
+                                round_bf16: bool = True, fmt: str = "e4m3:1x128"):
     """Torch: r = x + res (fp32; `.to(bfloat16).float()` with round_bf16), then `rmsnorm_quant_reference(r)`."""
     r = x.float() + res.float()
     if round_bf16:
         r = r.to(torch.bfloat16).float()
-    d, s, h = rmsnorm_quant_reference(r, weight, eps)
+    d, s, h = rmsnorm_quant_reference(r, weight, eps, fmt)
     return r, d, s, h
 
 
-def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Torch RMSNorm (the engine's fp32 `Numerics.rmsnorm` math) then the library quantizer."""
+def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str = "e4m3:1x128"):
+    """Torch RMSNorm (the engine's fp32 `Numerics.rmsnorm` math) then the library quantizer (fmt)."""
     h = x.float()
     h = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
-    d, s = act_quant_reference(h)
+    d, s = act_quant_reference(h, fmt)
     return d, s, h
 
 
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, bm: int | None = None,
-                 num_warps: int | None = None, *, gb: int | None = None, fast_silu: bool | None = None):
-    """Fused SwiGLU (silu(gate) * up) of gate, up (..., K) -> E4M3 1x128 quant: (data, scales[, fp32 activation]).
+                 num_warps: int | None = None, *, gb: int | None = None, fast_silu: bool | None = None,
+                 fmt: str = "e4m3:1x128"):
+    """Fused SwiGLU (silu(gate) * up) of gate, up (..., K) -> E4M3 1x128 quant: (data, scales[, fp32 activation]);
+    fmt="mxfp8": MXFP8 (see `act_quant`).
 
     gate and up may be views whose rows are strided and whose columns are contiguous, such as the two column halves
     of a stacked gate/up GEMM output: the kernel reads them in place (other layouts are copied first).
@@ -594,24 +652,24 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
         raise ValueError(f"swiglu_quant: gate {tuple(gate.shape)} on {gate.device} and up {tuple(up.shape)} on "
                          f"{up.device} must have one shape and device")
     _check_device(gate, "gate")
+    mx = _mx_fmt(fmt, "swiglu_quant")
     g2, u2 = _row_view(gate), _row_view(up)  # (rows, K), columns contiguous
     rows, k = g2.shape
     groups = triton.cdiv(k, GROUP)
     d = SWIGLU_DEFAULTS
     bm = _pow2_knob("bm", _default_bm(d["bm"], rows) if bm is None else bm, 256)
     gb = _pow2_knob("gb", d["gb"] if gb is None else gb, 64)
-    out, scales, hp = _outputs(gate, rows, k, groups, return_hp)
+    out, scales, hp = _outputs(gate, rows, k, groups, return_hp, mx)
     if rows and k:
         _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
             g2, u2, out, scales, hp, rows, k, groups, g2.stride(0), u2.stride(0), BM=bm, GB=gb,
             FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
-            FAST=fast_division(gate),
-            num_warps=num_warps or d["num_warps"], **launch_opts(gate))
+            FAST=fast_division(gate) and not mx, MX=mx, num_warps=num_warps or d["num_warps"], **launch_opts(gate))
     return (out, scales, hp) if return_hp else (out, scales)
 
 
-def swiglu_quant_reference(gate: torch.Tensor, up: torch.Tensor):
-    """Torch SwiGLU (the engine's `F.silu(g) * u`) then the library quantizer."""
+def swiglu_quant_reference(gate: torch.Tensor, up: torch.Tensor, fmt: str = "e4m3:1x128"):
+    """Torch SwiGLU (the engine's `F.silu(g) * u`) then the library quantizer (fmt)."""
     h = torch.nn.functional.silu(gate.float()) * up.float()
-    d, s = act_quant_reference(h)
+    d, s = act_quant_reference(h, fmt)
     return d, s, h

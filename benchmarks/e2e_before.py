@@ -1,0 +1,45 @@
+"""`bench_e2e.py` with the kernels' settings of an earlier session: the before side of an end-to-end A/B, in its own
+process (module flags are read at call time).
+
+    python benchmarks/e2e_before.py PRESET [bench_e2e.py arguments]
+
+Presets:
+  split-rule-s13  the decode GEMM heuristic of sessions 3-13 (K splits until 2 programs per SM, no whole-K kernel at
+                  BM 64; session 14's A/B, whose results name this script's old name, e2e_old_split_rule.py)
+  mx-s16          the MX GEMM of session 16 (one gathered scale load per element, E2M1 by `_e2m1_to_f32`, the
+                  split-K reduce kernel, 4 programs per SM) and no MXFP8 activation kernels (MXFP8 quantization,
+                  RMSNorm and SwiGLU emulated): session 17's A/B
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import native  # noqa: E402
+from engine.kernels import gemm  # noqa: E402
+
+
+def _split_rule_s13() -> None:
+    gemm.SPLIT_FILL = 2.0
+    gemm.WHOLE_K_AT_BM64 = False
+
+
+def _mx_s16() -> None:
+    gemm.MX_ROW_SCALES = gemm.MX_FP4_PTX = gemm.MX_FUSED_REDUCE = False
+    gemm.MX_SPLIT_RULE = {16: (4.0, 1), 32: (4.0, 1)}
+    native._KERNEL_QUANTS = ("e4m3:1x128",)
+
+
+PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:
+        sys.exit(f"usage: e2e_before.py PRESET [bench_e2e.py arguments]; PRESET one of {sorted(PRESETS)}")
+    preset = sys.argv.pop(1)
+    PRESETS[preset]()
+    print(f"kernel settings of preset {preset} (benchmarks/e2e_before.py)", flush=True)
+    runpy.run_path(str(Path(__file__).resolve().parent / "bench_e2e.py"), run_name="__main__")
