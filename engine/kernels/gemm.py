@@ -473,8 +473,10 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
     """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
     (packed FP4: low / high nibbles of the same 64 bytes; FP8: two loads) are decoded, scaled
     into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T.
-    ROW_SCALES: each row's block scales loaded once per half (`_row_scales`) and FP4 decoded by `_e2m1_nibble_to_f32`;
-    else one gathered scale load per element and `_e2m1_to_f32` (sessions 2-16, kept for the A/B probe)."""
+    ROW_SCALES: each row's block scales as one tile per half, loaded a chunk ahead (`_chunk_scales`) and spread over
+    the columns (`_spread_scales`); FP4 decoded by `_e2m1_bytes_to_bf16` (FP4_PTX) or `_e2m1_nibble_to_f32`. Else one
+    gathered scale load per element and `_e2m1_to_f32` (sessions 2-16, kept for the A/B probe). FUSED_REDUCE: the
+    last split of each tile sums the partials (`_last_split_reduce`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -696,8 +698,9 @@ def mx_split_k(tiles: int, steps: int, sms: int, bm: int) -> int:
     return max(s, floor) if steps // floor >= 4 else s
 # NVFP4's E4M3 block scales decoded by bit arithmetic (`_e4m3_to_f32`) instead of the FP8 cast (same values).
 MX_SCALE_BITS = True
-# Each row's block scales loaded once per 64 columns and E2M1 decoded by shifts and one multiply (`_row_scales`,
-# `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and `_e2m1_to_f32` (same bits).
+# Each row's block scales loaded as one tile per 64 columns, a chunk ahead, and E2M1 decoded by shifts and one multiply
+# (`_chunk_scales`, `_spread_scales`, `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and
+# `_e2m1_to_f32` (same bits).
 MX_ROW_SCALES = True
 # With MX_ROW_SCALES on NVIDIA CUDA: packed E2M1 decoded to bf16 by PRMT table lookups in inline PTX
 # (`_e2m1_bytes_to_bf16`) and multiplied by the block scales in bf16 (same bits; never under the CPU interpreter).
