@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import native  # noqa: E402
-from engine.kernels import gemm  # noqa: E402
+from engine.kernels import gemm, quant  # noqa: E402
 
 
 def _split_rule_s13() -> None:
@@ -31,7 +30,7 @@ def _split_rule_s13() -> None:
 def _mx_s16() -> None:
     gemm.MX_ROW_SCALES = gemm.MX_FP4_PTX = gemm.MX_FUSED_REDUCE = False
     gemm.MX_SPLIT_RULE = {16: (4.0, 1), 32: (4.0, 1)}
-    native._KERNEL_QUANTS = ("e4m3:1x128",)
+    quant.QUANT_FORMATS = ("e4m3:1x128",)  # the native backend quantizes only what the kernels write
 
 
 PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16}

@@ -2440,8 +2440,7 @@ def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
                     args, kw = (xsrc.to(bf),), {}
                 bm, bn, _, _ = G._tiles(m)
                 steps = -(-k // 128)
-                heur = G._plan_split(m, n, steps, bm, bn, xsrc.device, G.mx_split_k(-(-n // bn) * -(-m // bm), steps,
-                                                                                  sms, bm))[0]
+                heur = G._plan_split(m, n, steps, bm, bn, xsrc.device, None, mx=True)[0]
                 row = []
                 for split in (1, 2, 4, 8, 16):
                     if steps // split < 2:

@@ -137,10 +137,6 @@ def embedding_lookup(tokens: torch.Tensor, w: NativeWeight) -> torch.Tensor:
     return sub.dequantize().reshape(*tokens.shape, d)
 
 
-# Activation formats the Triton quant kernels write (engine.kernels.quant.QUANT_FORMATS).
-_KERNEL_QUANTS = ("e4m3:1x128", "mxfp8")
-
-
 def _block_qtensor(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, spec: str = "e4m3:1x128") -> QTensor:
     """The `spec` QTensor of x (..., K) from a Triton quant kernel's FP8 data and (rows, K/128) -- "mxfp8":
     (rows, K/32) -- scales."""
@@ -218,7 +214,7 @@ class NativeNumerics(Numerics):
         """A fused producer kernel may run: the recipe's activations are E4M3 1x128 or MXFP8 (else there is no
         quantization to fuse, and the kernel's last-ulp differences would be pure cost: under bf16 they
         flip zoo-moe's expert choices), CUDA fp32/bf16 input, 128-multiple rows, nobody observing quants."""
-        return (self.recipe.spec("linear.input") in _KERNEL_QUANTS and x.is_cuda and self.observer is None
+        return (self.recipe.spec("linear.input") in self._quant_k.QUANT_FORMATS and x.is_cuda and self.observer is None
                 and x.dim() >= 1 and x.shape[-1] % 128 == 0 and x.numel() > 0
                 and x.dtype in (torch.float32, torch.bfloat16))
 
@@ -365,7 +361,7 @@ class NativeNumerics(Numerics):
         producer's own quantization of exactly those values is returned (same bits)."""
         spec = spec or self.recipe.spec(site, module)
         fused, self._fused, self._fused_fmt = self._fused, None, None
-        native = spec in _KERNEL_QUANTS and x.is_cuda and self.observer is None and not (
+        native = spec in self._quant_k.QUANT_FORMATS and x.is_cuda and self.observer is None and not (
             self.recipe.scales and self.recipe.static_scale(site, module) is not None)
         if native and fused is not None and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape \
                 and x.dtype == fused[0].dtype and fused[1].spec == parse_spec(spec):

@@ -748,12 +748,15 @@ def _split_k(tiles: int, steps: int, sms: int, fill: float = 2.0) -> int:
 
 
 def _plan_split(m: int, n: int, steps: int, bm: int, bn: int, device: torch.device,
-                split_k: Optional[int], fill: Optional[float] = None) -> tuple[int, int]:
-    """(splits, K steps per split), with no empty split; `fill` programs per SM for the heuristic (default
-    `SPLIT_FILL`, the FP8 decode kernel's)."""
+                split_k: Optional[int], mx: bool = False) -> tuple[int, int]:
+    """(splits, K steps per split), with no empty split; the heuristic for split_k None (decode M only): the FP8
+    kernel's (`_split_k` at `SPLIT_FILL`), or with `mx` the MX kernel's (`mx_split_k`)."""
     if split_k is None:
-        tiles = _cdiv(n, bn) * _cdiv(m, bm)
-        split_k = _split_k(tiles, steps, sm_count(device), SPLIT_FILL if fill is None else fill) if m <= 64 else 1
+        tiles, sms = _cdiv(n, bn) * _cdiv(m, bm), sm_count(device)
+        if m > 64:
+            split_k = 1
+        else:
+            split_k = mx_split_k(tiles, steps, sms, bm) if mx else _split_k(tiles, steps, sms, SPLIT_FILL)
     per = _cdiv(steps, max(1, min(split_k, steps)))
     return _cdiv(steps, per), per
 
@@ -1424,9 +1427,7 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
     if m > 64:
         bm, bn = 128, 64  # a (64, 128) bf16 MMA tile keeps the dequantized operands in registers
     n_chunks = w.data.shape[1] * (2 if w.is_fp4 else 1) // MX_CHUNK
-    if split_k is None and m <= 64:
-        split_k = mx_split_k(_cdiv(n, bn) * _cdiv(m, bm), n_chunks, sm_count(x2.device), bm)
-    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k)
+    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k, mx=True)
     part = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else out
     ts = w.tensor_scale
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
