@@ -398,8 +398,10 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                 except Exception as exc:  # cuBLAS may refuse: the row still reports the Triton kernel
                     tcb = float("nan")
                     print(f"    cuBLAS blockwise M={m}: {str(exc).splitlines()[0]}")
+                sliced = m > 1 and G._sliced_instead(xd, m, splits, bn, pinned.get("num_warps") or 4, pinned)
                 res.update({"cublas_block_us": tcb, "cublas_speedup_vs_bf16": res["bf16_us"] / tcb,
                             "split_k": splits, "block_m": bm, "block_n": bn, "tuned_config": cfg, "fp8_host_us": h8,
+                            "sliced": sliced,
                             "gemv": m == 1 and G.GEMV_M1,
                             "gemv_config": G.GEMV_CONFIGS.get((G._device_name(xd.device.type, xd.device.index), n, k))})
                 return res
@@ -410,7 +412,9 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                 ok_graph = (r["fp8_tbs_graph"] >= TARGET_DECODE_TBS
                             and r["speedup_vs_bf16_graph"] >= TARGET_DECODE_SPEEDUP)
                 r["meets_target"], r["meets_target_graph"] = ok, ok_graph  # the verdict is the one-call one
-                kern = (f"GEMV GEMV_CONFIGS {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else f"split={r['split_k']} BN={r['block_n']} {r['tuned_config']}"
+                kern = ((f"GEMV GEMV_CONFIGS {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else
+                        f"{'sliced' if r.get('sliced') else 'split'}={r['split_k']} BN={r['block_n']} "
+                        f"{r['tuned_config']}")
                 say(f"  {n:>5}x{k:<7} {m:>3} {r['bf16_us']:8.1f} {r['bf16_tbs']:5.2f} {r['fp8_us']:7.1f} "
                     f"{r['fp8_tbs']:5.2f} {100 * r['fp8_tbs'] / read_tbs:4.0f}% {r['speedup_vs_bf16']:5.2f}x | "
                     f"{r['bf16_tbs_dirty']:9.2f} {r['fp8_tbs_dirty']:8.2f} {r['speedup_vs_bf16_dirty']:5.2f}x | "

@@ -9,6 +9,8 @@ Presets:
   mx-s16          the MX GEMM of session 16 (one gathered scale load per element, E2M1 by `_e2m1_to_f32`, the
                   split-K reduce kernel, 4 programs per SM) and no MXFP8 activation kernels (MXFP8 quantization,
                   RMSNorm and SwiGLU emulated): session 17's A/B
+  split-k-s17     decode GEMMs with 2 / 4 K splits and M <= 16 / splits on the split-K kernel and its fused reduce, not
+                  the sliced kernel (`SLICED_AUTO` off; the same bits): session 18's A/B
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def _mx_s16() -> None:
     quant.QUANT_FORMATS = ("e4m3:1x128",)  # the native backend quantizes only what the kernels write
 
 
-PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16}
+def _split_k_s17() -> None:
+    gemm.SLICED_AUTO = False
+
+
+PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:

@@ -2268,6 +2268,25 @@ def probe_decode_graph(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES, ms=(8, 64)) 
         print(f"  {len(entries)} entries -> {path} (benchmarks/bench_e2e.py --decode-configs)", flush=True)
 
 
+def _graph_cases(shapes, ms, name: str):
+    """The setup of the sweeps timed both ways: for each (N, K), `_fp8_weights` copies; for each M, FP8 activations and
+    the default dispatch (`fp8_block_linear`, bf16 out) timed one call after a clean L2 flush and per call in a CUDA
+    graph over the copies, printed as one line headed `name`. Yields (n, k, m, xd, xs, weight copies, weight bytes)."""
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    for n, k in shapes:
+        wts = _fp8_weights(n, k)
+        wbytes = n * k + wts[0][1].numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            t0 = _time_us(lambda: G.fp8_block_linear(xd, xs, *wts[0], out_dtype=bf), flush="clean")
+            g0 = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+            print(f"  {n}x{k} M={m}: {name} one call {t0:6.2f} us {wbytes / t0 / 1e6:5.2f} TB/s | graph {g0:6.2f} us "
+                  f"{wbytes / g0 / 1e6:5.2f} TB/s", flush=True)
+            yield n, k, m, xd, xs, wts, wbytes
+
+
 def probe_decode_dual(copy_tbs: float, shapes=((7168, 16384),), ms=(4, 16)) -> None:
     """Issue decode shapes at M = 4 / 16, each split-K config timed both ways `bench_gemm` reports: one call after a
     clean L2 flush (the issue's judged column) and per call in a CUDA graph over weight copies (as a decode step
@@ -2275,34 +2294,61 @@ def probe_decode_dual(copy_tbs: float, shapes=((7168, 16384),), ms=(4, 16)) -> N
     / 2.90; this looks for a config at >= 3.0 TB/s in both."""
     from engine.kernels import gemm as G
 
-    bf = torch.bfloat16
     print("\n## decode GEMMs, one call (clean flush) and CUDA graph (weight copies), us per call")
-    for n, k in shapes:
-        wts = _fp8_weights(n, k)
-        wbytes = n * k + wts[0][1].numel() * 4
-        for m in ms:
-            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
-            ref = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=torch.float32)
-            t0 = _time_us(lambda: G.fp8_block_linear(xd, xs, *wts[0], out_dtype=bf), flush="clean")
-            g0 = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
-            print(f"  {n}x{k} M={m}: default one call {t0:6.2f} us {wbytes / t0 / 1e6:5.2f} TB/s, graph {g0:6.2f} us "
-                  f"{wbytes / g0 / 1e6:5.2f} TB/s", flush=True)
-            res = []
-            for bn in (64, 128):
-                for split in (2, 3, 4, 6, 8):
-                    for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4)):
-                        if bn == 128 and stages > 4:
-                            continue
-                        cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
-                        got = _decode_cfg_times(xd, xs, wts, ref, cfg, one_call=True)
-                        if got is not None:
-                            _, g, t = got
-                            res.append((max(t, g), t, g, cfg))
-            res.sort(key=lambda r: r[0])
-            for _, t, g, cfg in res[:8]:
-                print(f"      one call {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s | graph {g:6.2f} us "
-                      f"{wbytes / g / 1e6:5.2f} TB/s  {cfg}", flush=True)
-        del wts
+    for n, k, m, xd, xs, wts, wbytes in _graph_cases(shapes, ms, "default"):
+        ref = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=torch.float32)
+        res = []
+        for bn in (64, 128):
+            for split in (2, 3, 4, 6, 8):
+                for warps, stages in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 3), (8, 4)):
+                    if bn == 128 and stages > 4:
+                        continue
+                    cfg = dict(split_k=split, block_n=bn, num_warps=warps, num_stages=stages, fused_reduce=True)
+                    got = _decode_cfg_times(xd, xs, wts, ref, cfg, one_call=True)
+                    if got is not None:
+                        _, g, t = got
+                        res.append((max(t, g), t, g, cfg))
+        res.sort(key=lambda r: r[0])
+        for _, t, g, cfg in res[:8]:
+            print(f"      one call {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s | graph {g:6.2f} us "
+                  f"{wbytes / g / 1e6:5.2f} TB/s  {cfg}", flush=True)
+
+
+SLICED_SHAPES = ((4096, 14336), (28672, 4096), (7168, 16384), (4096, 4096), (6144, 4096))
+
+
+def probe_gemm_sliced(copy_tbs: float, shapes=SLICED_SHAPES, ms=(2, 4, 8), wide=((4096, 14336),)) -> None:
+    """Split-K inside one program (`sliced=S`, `_fp8_sliced_gemm_kernel`: S K slices side by side in one MMA tile,
+    summed in registers) against the production dispatch and the split-K kernel with S splits and its fused reduce:
+    whether the bits equal split-K's (they should), one call after a clean L2 flush and per call in a CUDA graph
+    over weight copies. Shapes in `wide` sweep warps and stages too."""
+    from engine.kernels import gemm as G
+
+    print("\n## sliced (in-program split-K) decode GEMM vs production: one call (clean flush) | CUDA graph, us per call")
+    for n, k, m, xd, xs, wts, wbytes in _graph_cases(shapes, ms, "production"):
+        ref = G.fp8_block_linear_reference(xd, xs, *wts[0], out_dtype=torch.float32)
+        res = []
+        sweep = (((4, None), (4, 3), (4, 4), (4, 5), (4, 6), (2, None), (8, None))
+                 if (n, k) in wide else ((4, None),))
+        for sl in (2, 4, 8):
+            split = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, split_k=sl, block_n=64,
+                                            fused_reduce=True, sliced=False)
+            for rows in (8, 16, 32, 64):
+                if sl * rows not in (64, 128):
+                    continue
+                for warps, stages in sweep:
+                    cfg = dict(sliced=sl, block_n=rows, num_warps=warps, num_stages=stages)
+                    got = _decode_cfg_times(xd, xs, wts, ref, cfg, one_call=True)
+                    if got is None:
+                        continue
+                    same = torch.equal(G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=torch.float32, **cfg),
+                                       split)
+                    res.append((got[2], got[1], cfg, same))
+        res.sort(key=lambda r: r[0])
+        for t, g, cfg, same in res[:10]:
+            print(f"      one call {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s | graph {g:6.2f} us "
+                  f"{wbytes / g / 1e6:5.2f} TB/s  same bits as split_k={cfg['sliced']}: {same}  {cfg}", flush=True)
+        print(f"      bits equal split-K in {sum(r[3] for r in res)} of {len(res)} configs", flush=True)
 
 
 def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbytes: int) -> None:
@@ -2412,7 +2458,12 @@ def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> N
 MX_SPLIT_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (2048, 14336))
 
 
-def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
+# Held-out shapes for the MX split rule (session 18): Qwen2.5-14B's MLP (13824 x 5120, 5120 x 13824) and Qwen2-7B's
+# (18944 x 3584, 3584 x 18944), none of them in MX_SPLIT_SHAPES.
+MX_SPLIT_CHECK = ((13824, 5120), (5120, 13824), (18944, 3584), (3584, 18944))
+
+
+def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32), shapes=MX_SPLIT_SHAPES) -> None:
     """The MX dequant-in-kernel GEMM's split count (the heuristic: `G.mx_split_k`, `MX_SPLIT_RULE`), as a decode step
     runs it: per call in a CUDA graph of 64 calls over >= 150 MB of weight copies, 1 / 2 / 4 / 8 / 16 splits, for
     bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8. One section per pair in `probe_kernels.py --only split_rule`'s row
@@ -2425,7 +2476,7 @@ def probe_mx_split(copy_tbs: float, ms=(1, 4, 16, 32)) -> None:
     for xkind, wspec in (("bf16", "mxfp4"), ("bf16", "nvfp4"), ("mxfp8", "mxfp8")):
         print(f"\n## split rule, MX GEMM {xkind} x {wspec}: us per call in a CUDA graph (64 calls over weight "
               f"copies), {sms} SMs", flush=True)
-        for n, k in MX_SPLIT_SHAPES:
+        for n, k in shapes:
             g = torch.Generator(device=DEV).manual_seed(n + k)
             first = G.prepare_mx_weight(quantize(torch.randn(n, k, device=DEV, generator=g), wspec))
             copies = max(3, -(-ROTATE_BYTES // first.nbytes))
@@ -2597,7 +2648,9 @@ def main() -> int:
               "decode_graph": probe_decode_graph, "decode_graph32": lambda c: probe_decode_graph(c, ms=(32,)),
               "split_rule": probe_split_rule, "decode_dual": probe_decode_dual, "decode_stages": probe_decode_stages,
               "decode_stages_check": lambda c: probe_decode_stages(c, shapes=STAGE_CHECK), "mx_split": probe_mx_split,
-              "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek,
+              "mx_split64": lambda c: probe_mx_split(c, ms=(48, 64)),
+              "mx_split_check": lambda c: probe_mx_split(c, ms=(4, 16, 32), shapes=MX_SPLIT_CHECK),
+              "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek, "gemm_sliced": probe_gemm_sliced,
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),
               "prefill": lambda _: probe_prefill()}

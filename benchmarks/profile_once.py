@@ -3,7 +3,8 @@
     ncu --target-processes all --profile-from-start off --set full python benchmarks/profile_once.py [--only ...]
 
 Kernels (--only, comma-separated; default rms,gemm,wholek): `rms` RMSNorm+quant 16384 x 7168; `gemm` the decode GEMM
-4096x14336 at M = 4 (issue 4's unmet cell); `wholek` the same GEMM through the whole-K Gluon kernel (session 13; 32 rows
+4096x14336 at M = 4 (issue 4's unmet cell; the sliced kernel since session 18); `splitk` the same call on the split-K
+kernel and its fused reduce (sliced=False); `wholek` the same GEMM through the whole-K Gluon kernel (session 13; 32 rows
 x 10 stages); `mx` the MX dequant-in-kernel GEMM at 4096x14336, M = 4, bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8
 (session 17)."""
 import argparse
@@ -25,11 +26,13 @@ def _calls(only: set[str]) -> list:
         x = torch.randn(16384, 7168, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(7168, device="cuda") + 0.5
         calls.append(lambda: Q.rmsnorm_quant(x, w, 1e-5))
-    if only & {"gemm", "wholek"}:
+    if only & {"gemm", "wholek", "splitk"}:
         xd, xs, _, _ = fp8_block_operands(4, 16, 14336, seed=4)
         _, _, wd, ws = fp8_block_operands(1, 4096, 14336, seed=4096)
         if "gemm" in only:
             calls.append(lambda: G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32))
+        if "splitk" in only:
+            calls.append(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, sliced=False))
         if "wholek" in only:
             calls.append(lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, whole_k=True,
                                                          block_n=32, num_stages=10))
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="rms,gemm,wholek")
     only = set(ap.parse_args(argv).only.split(","))
-    unknown = only - {"rms", "gemm", "wholek", "mx"}
+    unknown = only - {"rms", "gemm", "wholek", "splitk", "mx"}
     if unknown:
         ap.error(f"--only: unknown {sorted(unknown)}")
     calls = _calls(only)

@@ -81,9 +81,9 @@ def run(name: str) -> None:
         ops = _operands(5, 192, 1024, seed=7)
         for split in (2, 3, 4, 8):
             a = G.fp8_block_gemm_triton(*ops, out_dtype=f32, split_k=split, block_n=64, num_warps=4, num_stages=3,
-                                        fused_reduce=True)
+                                        fused_reduce=True, sliced=False)
             b = G.fp8_block_gemm_triton(*ops, out_dtype=f32, split_k=split, block_n=64, num_warps=4, num_stages=3,
-                                        fused_reduce=False)
+                                        fused_reduce=False, sliced=False)
             assert _same_bits(a, b), f"split_k={split}: fused and separate reduce differ"
     elif name == "bias_and_bf16_rounding":
         m, n, k = 4, 200, 640

@@ -163,18 +163,83 @@ def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
     for b in (None, bias):
         if m <= 16:
             want = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
-                                           fused_reduce=fused).float()
+                                           fused_reduce=fused, sliced=False).float()
             got = G._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), b,
-                                torch.float32, 4, fused_reduce=fused, round_bf16=True)
+                                torch.float32, 4, fused_reduce=fused, round_bf16=True, sliced=False)
             assert torch.equal(got, want)
             other = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
-                                            fused_reduce=not fused).float()
+                                            fused_reduce=not fused, sliced=False).float()
             assert torch.equal(other, want)
         want = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, small_m=16).float()
         got = G.fp8_block_linear(xd, xs, wd, ws, b, out_dtype=torch.float32, small_m=16, out_round="bf16")
         assert got.dtype == torch.float32 and torch.equal(got, want)
     with pytest.raises(ValueError, match="out_round"):
         G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.bfloat16, out_round="bf16")
+
+
+def _next_pow2(m: int) -> int:
+    """The next power of two >= m."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mnk", [(1, 256, 1024), (2, 200, 1000), (4, 320, 1152), (8, 136, 2048), (16, 128, 640),
+                                 (33, 64, 512)])
+def test_sliced_kernel_is_split_k(G, mnk):
+    """The sliced kernel (split-K inside one program, slices summed in registers) gives the split-K kernel's bits
+    with as many splits, 64-row tiles and 4 warps, and its reduce, on the GPU: slices of 2 / 4 / 8, 8-64 weight rows
+    per slice, N tails (200, 136), a partial last group (K = 1000), uneven and empty slices (9 groups in 4 or 8
+    slices), bias, bf16 / fp32 / bf16-rounded output. Under the interpreter, whose dot sums in numpy's order per
+    shape, within 1e-6. Both within TOL of the float64 reference."""
+    m, n, k = mnk
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n)
+    bias = torch.randn(n, device=DEV)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    rows = {2: (32, 64), 4: (16, 32), 8: (8, 16)}
+    for s in (2, 4, 8):
+        if s * _next_pow2(m) > 128:  # M = 33 in 4 / 8 slices: 256 / 512 MMA columns, refused by name
+            with pytest.raises(ValueError, match=f"sliced={s} at M={m}"):
+                G.fp8_block_gemm_triton(xd, xs, wd, ws, sliced=s)
+            continue
+        split = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias, out_dtype=torch.float32, split_k=s, block_n=64,
+                                        num_warps=4, num_stages=3, fused_reduce=True, sliced=False)
+        for r in rows[s]:
+            got = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias, out_dtype=torch.float32, sliced=s, block_n=r)
+            assert _rel(got, ref) <= TOL[torch.float32], (s, r)
+            if INTERPRET:
+                assert _rel(got, split) <= 1e-6, (s, r)
+            else:
+                assert torch.equal(got, split), (s, r)
+        bf = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias, out_dtype=torch.bfloat16, sliced=s)
+        rounded = G._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), bias,
+                                torch.float32, None, round_bf16=True, sliced=s)
+        assert _rel(bf, ref) <= TOL[torch.bfloat16] and torch.equal(rounded, bf.float()), s
+    with pytest.raises(ValueError, match="sliced=3"):
+        G.fp8_block_gemm_triton(xd, xs, wd, ws, sliced=3)
+    with pytest.raises(ValueError, match="block_n=128"):
+        G.fp8_block_gemm_triton(xd, xs, wd, ws, sliced=4, block_n=128)
+
+
+def test_sliced_auto_takes_small_m_split_k_calls(G, monkeypatch):
+    """On the GPU, split-K calls with 2 / 4 splits of 64-row tiles and M <= 16 / splits run the sliced kernel with the
+    split-K plan's K partition (counted), the same bits as split-K (sliced=False); M above that, 8 splits, 32-row
+    tiles and sliced=False stay on split-K."""
+    calls = []
+    real = G._launch_sliced
+    monkeypatch.setattr(G, "_launch_sliced", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
+    xd, xs, wd, ws = _block_operands(8, 192, 2048, seed=3)
+    for m, kw, slices in ((4, dict(split_k=4), 4), (2, dict(split_k=4), 4), (8, dict(split_k=2), 2),
+                          (5, dict(split_k=4), None), (2, dict(split_k=8), None),
+                          (4, dict(split_k=4, block_n=32), None), (4, dict(split_k=4, sliced=False), None)):
+        calls.clear()
+        got = G.fp8_block_gemm_triton(xd[:m], xs[:m], wd, ws, out_dtype=torch.float32, **kw)
+        want = G.fp8_block_gemm_triton(xd[:m], xs[:m], wd, ws, out_dtype=torch.float32, **dict(kw, sliced=False))
+        assert calls == ([slices] if slices else []), (m, kw)
+        assert torch.equal(got, want), (m, kw)
+    monkeypatch.setattr(G, "SLICED_AUTO", False)
+    calls.clear()
+    G.fp8_block_gemm_triton(xd[:4], xs[:4], wd, ws, out_dtype=torch.float32, split_k=4)
+    assert calls == []
 
 
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (200, 1000), (136, 320)])

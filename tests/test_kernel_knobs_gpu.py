@@ -166,7 +166,8 @@ def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
     monkeypatch.setattr(G, "_RETIRED", [])
     small = weakref.ref(G._COUNTERS[dev])  # only the module may keep the captured buffer alive
     xd, xs, wd, ws = _block_operands(4, 512, 2048, seed=40)  # 8 tiles of 64 rows
-    kw = dict(out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True)
+    kw = dict(out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True,
+              sliced=False)  # M = 4 with 4 splits would otherwise run the sliced kernel, which has no counters
     want = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
     assert G._COUNTERS[dev] is small()
     graph = torch.cuda.CUDAGraph()

@@ -47,7 +47,9 @@ Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixe
 ``fused_reduce``, the last split of each tile -- found with an arrival counter -- sums them in the
 same order; with ``cluster``, the splits of a tile form one thread-block cluster and sum them in the same order
 through distributed shared memory; no atomic accumulation either way), so a given (shape, device) always
-produces the same bits. The number of splits is a function of the shape and the SM count only, or of a
+produces the same bits; at M <= 16 / splits with 2 or 4 splits, on CUDA, the splits instead sit side by side in one
+program's MMA tile and are summed in registers in the same order (`_fp8_sliced_gemm_kernel`: the same bits, without
+the partials' round trip). The number of splits is a function of the shape and the SM count only, or of a
 ``DECODE_CONFIGS`` entry (measured configs stored as data, per device and shape; the tuning knobs
 are keyword arguments of :func:`fp8_block_gemm_triton`). Decode calls on weights of >= 2**24
 elements without an entry take their pipeline depth from the programs per SM (`_decode_stages`; measured as a
@@ -256,6 +258,64 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
     if USE_PART and FUSED_REDUCE and CLUSTER == 1:
         _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, out_ptr, cnt_ptr,
                            BN, BM, HAS_BIAS, False, ROUND_BF16)
+
+
+@triton.jit(do_not_specialize=["M", "N", "groups_per_slice", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
+def _fp8_sliced_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, M, N, K, groups_per_slice,
+                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
+                            BM: tl.constexpr, R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            ROUND_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Split-K inside one program: grid (N / R, M tiles). The program owns R weight rows over the whole K, cut into
+    S slices of `groups_per_slice` 128-groups -- the split-K kernel's splits -- that sit side by side in one MMA:
+    tile row s * R + n holds weight row n of slice s, tile column s' * BM + m activation row m of slice s'. Each
+    step's dot (S*R, 128) x (128, S*BM) so computes every slice's product at once (the off-diagonal blocks s != s'
+    are discarded), each diagonal block scaled by its own group's scales as `_scaled_steps` does. At the end the S
+    partials are summed in slice order from zero in registers: the fp32 operations of the split-K kernel with
+    S splits and its fused reduce, so its bits, without the partials' round trip through memory and the arrival
+    handshake after the last step (session 12: ~1.3 us per call at 4096x14336)."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rr = tl.arange(0, S * R)
+    cc = tl.arange(0, S * BM)
+    s_r = rr // R  # slice of each tile row / column
+    s_c = cc // BM
+    offs_n = pid_n * R + rr % R
+    offs_m = pid_m * BM + cc % BM
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    n_groups = tl.cdiv(K, 128)
+    g_r = s_r * groups_per_slice  # first 128-group of the row's / column's slice
+    g_c = s_c * groups_per_slice
+    end_r = tl.minimum(g_r + groups_per_slice, n_groups)
+    end_c = tl.minimum(g_c + groups_per_slice, n_groups)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (g_r * 128)[:, None]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (g_c * 128)[:, None]
+    ws_rows = ws_ptr + ((pid_n * R) // 128) * stride_wsn + g_r * stride_wsg  # R divides 128: one scale row
+    xs_rows = xs_ptr + offs_m * stride_xsm + g_c * stride_xsg
+    offs_k = tl.arange(0, 128)
+    ws_next = tl.load(ws_rows, mask=g_r < end_r, other=0.0)
+    xs_next = tl.load(xs_rows, mask=m_ok & (g_c < end_c), other=0.0)
+    acc = tl.zeros((S * R, S * BM), dtype=tl.float32)
+    for i in range(0, groups_per_slice):  # scales a step ahead, as `_scaled_steps` (two ahead: 20.4 -> 25-31 us)
+        ws = ws_next
+        xs = xs_next
+        ws_next = tl.load(ws_rows + (i + 1) * stride_wsg, mask=g_r + i + 1 < end_r, other=0.0)
+        xs_next = tl.load(xs_rows + (i + 1) * stride_xsg, mask=m_ok & (g_c + i + 1 < end_c), other=0.0)
+        k = i * 128 + offs_k
+        w_ok = (n_ok & (g_r + i < end_r))[:, None] & ((g_r * 128)[:, None] + k[None, :] < K)
+        x_ok = (m_ok & (g_c + i < end_c))[:, None] & ((g_c * 128)[:, None] + k[None, :] < K)
+        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+        acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws[:, None])
+    diag = tl.reshape(s_r, (S, R, 1, 1)) == tl.reshape(s_c, (1, 1, S, BM))
+    part = tl.sum(tl.where(diag, tl.reshape(acc, (S, R, S, BM)), 0.0), axis=2)  # (S, R, BM): slice s's partial
+    tot = tl.zeros((R, BM), dtype=tl.float32)
+    s_l = tl.reshape(tl.arange(0, S), (S, 1, 1))
+    for s in tl.static_range(S):  # slice order from zero, as `_last_split_reduce`
+        tot += tl.sum(tl.where(s_l == s, part, 0.0), axis=0)
+    _epilogue(tot, pid_n * R + tl.arange(0, R), pid_m * BM + tl.arange(0, BM), 0, M, N, out_ptr, out_ptr, bias_ptr,
+              out_ptr, False, HAS_BIAS, False, ROUND_BF16)
 
 
 @triton.jit
@@ -662,7 +722,7 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # probe_decode_stages_check.txt). One split as the heuristic: same bits.
     ("NVIDIA H200", 128256, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
 }
-DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k")
+DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k", "sliced")
 # The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/
 # probe_split_rule.txt: 21 shapes N 2048-28672 x K 2048-14336 at M = 12 / 24 / 48, each call timed as a decode step
 # runs it, in a CUDA graph over weight copies). K splits until the programs about fill the SMs (SPLIT_FILL per SM;
@@ -684,7 +744,14 @@ WHOLE_K_AT_BM64 = True
 #     1.18x (6144x4096 wants 4 splits, not 8);
 #   - BM 32: 1.5 per SM, 1.000x for all three (2 per SM 1.08-1.13x, 4: 1.15-1.18x): with twice the activation rows a
 #     program does more work per weight byte, and fewer, longer splits win.
-#   BM 64 (M 33-64) was not swept and takes BM 32's rule.
+#   BM 64 (M 33-64) takes BM 32's rule.
+# - session 18 checked it on new sweeps (benchmarks/results/h200-2026-11-30-session18/):
+#   - BM 64 (probe_mx_split64.txt, the six shapes at M = 48 / 64): 1.021 / 1.020 / 1.016x, worst 1.14x (6144x4096);
+#     4 per SM 1.21-1.22x;
+#   - four held-out shapes (probe_mx_split_check.txt, Qwen2.5-14B's and Qwen2-7B's MLPs at M = 4 / 16 / 32): 1.075 /
+#     1.080 / 1.034x, worst 1.21x (5120x13824 at BM 16 wants 8 splits, gets 4); 4 per SM 1.015 / 1.014 / 1.027x
+#     there. The BM-16 fill is over-fitted to the Llama-3-8B shapes. Refitted on all three sweeps, 4-6 per SM at BM 16
+#     would score 1.017-1.020x overall against this rule's 1.021x, and cost the Llama-3-8B shapes 1.7%; not changed.
 # - session 16 (h200-2026-11-30-session16/probe_mx_split.txt, the slower kernel) had chosen 4 per SM at every BM.
 MX_SPLIT_RULE = {16: (2.0, 2), 32: (1.5, 1)}
 
@@ -830,11 +897,13 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str, Any]) -> dict[str, Any]:
-    """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only), else {}."""
+    """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only; with sliced=False when
+    that is the only knob given), else {}."""
     given = {key: v for key, v in knobs.items() if v is not None}
-    if given or m > 64:
+    if m > 64 or (given and given != {"sliced": False}):
         return given
-    return dict(DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {}))
+    entry = DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {})
+    return dict(entry, **given)  # sliced=False alone keeps the entry: its split-K call, not the sliced kernel
 
 
 def _positive_int(v: Any) -> bool:
@@ -851,6 +920,7 @@ _KNOB_VALUES: dict[str, tuple[Any, str]] = {
     "fused_reduce": (lambda v: isinstance(v, bool), "true or false"),
     "cluster": (lambda v: isinstance(v, bool), "true or false"),
     "whole_k": (lambda v: v is True or (v in (2, 4) and not isinstance(v, bool)), "true, 2 or 4"),
+    "sliced": (lambda v: v is False or (v in (2, 4, 8) and not isinstance(v, bool)), "false, 2, 4 or 8"),
 }
 
 
@@ -952,12 +1022,65 @@ def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, in
               num_warps=num_warps, num_stages=num_stages, **{k_: v for k_, v in opts.items() if k_ != "PDL"})
 
 
+SLICES = (2, 4, 8)  # K slices the sliced kernel can hold side by side
+# Split-K decode calls with 2 or 4 splits and M <= 16 / splits run as the sliced kernel, same bits (`_sliced_instead`).
+# H200, 4096x14336 / 7168x16384 / 4096x4096 / 6144x4096 at M = 2 and 4, each with its DECODE_CONFIGS entry's 4 splits
+# and stages (benchmarks/results/h200-2026-11-30-session18/probe_gemm_sliced*.txt), us per call in a CUDA graph over
+# weight copies, sliced vs split-K with its fused reduce: 17.4-17.7 vs 18.3-18.6, 30.8-31.0 vs 31.6-32.0, 6.7-6.8 vs
+# 7.3-7.7, 8.8-8.9 vs 9.4-9.7; one call after a clean L2 flush 20.4-20.5 vs 20.6-21.3 on 4096x14336. At M = 8 (4
+# slices of 8 columns: twice the split-K kernel's MMA columns) it loses on 4096x14336 (19.2 vs 18.8) and 6144x4096, and
+# at M = 16 by 15-30%. 8 splits (M <= 2) are left out: their graph times swung between 16.6 and 25 us.
+SLICED_AUTO = True
+SLICED_AUTO_SPLITS = (2, 4)
+
+
+def _sliced_instead(x: torch.Tensor, m: int, splits: int, bn: int, warps: int, cfg: dict[str, Any]) -> bool:
+    """Whether a split-K decode call runs as the sliced kernel instead (`SLICED_AUTO`): on CUDA, 2 or 4 splits of
+    64-row tiles with 4 warps (the split-K MMA whose bits the sliced kernel reproduces), no cluster asked for, and
+    M <= 16 / splits, so that the slices' activation columns (splits x next_pow2(M)) fit the split-K kernel's 16;
+    never with sliced=False."""
+    return (SLICED_AUTO and x.is_cuda and splits in SLICED_AUTO_SPLITS and bn == 64 and warps == 4
+            and cfg.get("sliced") is not False and not cfg.get("cluster") and triton.next_power_of_2(m) * splits <= 16)
+
+
+def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
+                   ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+                   round_bf16: bool, slices: int, block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                   num_stages: Optional[int] = None, per: Optional[int] = None) -> None:
+    """`_fp8_sliced_gemm_kernel` on x (M, K), w (N, K) into out (M, N): `slices` K slices of `per` 128-groups (default
+    ceil(K/128 / slices), as `_plan_split`) and block_n weight rows each (default 64 / slices: 64-row MMA tiles) per
+    program, activation tiles of BM = the next power of two >= M (at least 16 / slices columns per slice, so that the
+    MMA's N side is >= 16). On the H200 the same bits as the split-K kernel with 64-row tiles, 4 warps and the same
+    K partition, and its reduce (`probe_kernels.py --only gemm_sliced`, tests/test_gemm_gpu.py)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if slices not in SLICES:
+        raise _bad(f"sliced={slices}: use one of {SLICES} K slices per program")
+    rows = block_n or 64 // slices
+    if rows not in (8, 16, 32, 64) or slices * rows > 256:
+        raise _bad(f"sliced={slices} with block_n={rows}: block_n must be 8, 16, 32 or 64 weight rows per slice, "
+                   f"and slices x block_n at most 256 tile rows")
+    bm = max(triton.next_power_of_2(m) if m <= 64 else 64, 16 // slices)
+    if slices * bm > 128:
+        raise _bad(f"sliced={slices} at M={m}: the slices' activation tiles would be {slices} x {bm} = {slices * bm} "
+                   f"MMA columns; use at most 128 (M <= {128 // slices}), or split_k")
+    per = per or _cdiv(_cdiv(k, GROUP), slices)
+    grid = (_cdiv(n, rows), _cdiv(m, bm))
+    stages = num_stages or (_decode_stages(grid[0] * grid[1], sm_count(x.device)) if x.is_cuda else 3)
+    _fp8_sliced_gemm_kernel[grid](x, xs, w, ws, out, bias if bias is not None else out, m, n, k, per,
+                                  x.stride(0), w.stride(0), *xs_strides, *ws_strides, BM=bm, R=rows, S=slices,
+                                  HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
+                                  num_warps=num_warps or 4,
+                                  num_stages=stages, **launch_opts(x))
+
+
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                 fused_reduce: Optional[bool] = None, round_bf16: bool = False,
-                cluster: Optional[bool] = None, whole_k: Optional[int] = None) -> torch.Tensor:
+                cluster: Optional[bool] = None, whole_k: Optional[int] = None,
+                sliced: Optional[int] = None) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
@@ -972,7 +1095,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k)
+                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k, sliced=sliced)
     if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
@@ -990,11 +1113,19 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         # not here (device / layout / shape): the heuristic's split-K call, or for an explicit whole_k the same
         # math in the split-K kernel (one split: the same bits on the H200)
         cfg = {} if auto_whole_k else dict(cfg, split_k=1)
+    if cfg.get("sliced") and not isinstance(cfg["sliced"], bool):
+        _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, cfg["sliced"],
+                       cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"))
+        return out
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
     if bn not in (16, 32, 64, 128):
         raise _bad(f"block_n={bn}: use 16, 32, 64 or 128 (it must divide the 128-wide weight-scale blocks)")
     splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
+    if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg):
+        _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, splits, None, 4,
+                       cfg.get("num_stages"), per)
+        return out
     fr = cfg.get("fused_reduce")
     fused = (FUSED_REDUCE_DEFAULT and x.is_cuda if fr is None else bool(fr)) and splits > 1
     if cfg.get("cluster") and _cluster_ok(x, splits, bn):
@@ -1051,7 +1182,8 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None, *,
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
                           num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
-                          cluster: Optional[bool] = None, whole_k: Optional[int] = None) -> torch.Tensor:
+                          cluster: Optional[bool] = None, whole_k: Optional[int] = None,
+                          sliced: Optional[int] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
@@ -1069,13 +1201,17 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     `engine.kernels.gemm_wgmma` -- the same bits as ``split_k=1, block_n=64`` on the H200 (CUDA compute
     capability 9.0, M <= 64, K a multiple of 16 up to 16384; elsewhere the split-K kernel with one split runs
     instead). Without knobs or an entry, calls with 33-64 rows take it on the H200 (`WHOLE_K_AT_BM64`); at
-    M <= 32 it is slower than split-K there, and opt-in.
+    M <= 32 it is slower than split-K there, and opt-in; ``sliced`` (2 / 4 / 8): split-K inside one program, the
+    K slices side by side in one MMA tile and summed in registers (`_fp8_sliced_gemm_kernel`: the bits of
+    ``split_k=sliced, block_n=64`` on the H200 without the partials' trip through memory; ``block_n`` is then the
+    weight rows per slice, default 64 / sliced). On CUDA, split-K calls with 2 or 4 splits of 64-row tiles and
+    M <= 16 / splits take it by themselves (`SLICED_AUTO`); ``sliced=False`` keeps them on the split-K kernel.
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
                       bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster,
-                      whole_k=whole_k)
+                      whole_k=whole_k, sliced=sliced)
     return out.reshape(*lead, w.shape[0])
 
 
