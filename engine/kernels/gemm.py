@@ -1069,8 +1069,7 @@ def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int
     stages = num_stages or (_decode_stages(grid[0] * grid[1], sm_count(x.device)) if x.is_cuda else 3)
     _fp8_sliced_gemm_kernel[grid](x, xs, w, ws, out, bias if bias is not None else out, m, n, k, per,
                                   x.stride(0), w.stride(0), *xs_strides, *ws_strides, BM=bm, R=rows, S=slices,
-                                  HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
-                                  num_warps=num_warps or 4,
+                                  HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=num_warps or 4,
                                   num_stages=stages, **launch_opts(x))
 
 
