@@ -398,10 +398,14 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                 except Exception as exc:  # cuBLAS may refuse: the row still reports the Triton kernel
                     tcb = float("nan")
                     print(f"    cuBLAS blockwise M={m}: {str(exc).splitlines()[0]}")
-                sliced = m > 1 and G._sliced_instead(xd, m, splits, bn, pinned.get("num_warps") or 4, pinned)
+                wgmma = m > 1 and bool(pinned.get("wgmma")) and G.gw.usable(
+                    xd, wd, 64, pinned.get("num_stages") or G.gw.swap_stages(m, -(-k // 128), splits), G.gw.GPS,
+                    splits, True)
+                sliced = (m > 1 and not wgmma
+                          and G._sliced_instead(xd, m, splits, bn, pinned.get("num_warps") or 4, pinned))
                 res.update({"cublas_block_us": tcb, "cublas_speedup_vs_bf16": res["bf16_us"] / tcb,
                             "split_k": splits, "block_m": bm, "block_n": bn, "tuned_config": cfg, "fp8_host_us": h8,
-                            "sliced": sliced,
+                            "sliced": sliced, "wgmma": wgmma,
                             "gemv": m == 1 and G.GEMV_M1,
                             "gemv_config": G.GEMV_CONFIGS.get((G._device_name(xd.device.type, xd.device.index), n, k))})
                 return res
@@ -413,7 +417,8 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                             and r["speedup_vs_bf16_graph"] >= TARGET_DECODE_SPEEDUP)
                 r["meets_target"], r["meets_target_graph"] = ok, ok_graph  # the verdict is the one-call one
                 kern = ((f"GEMV GEMV_CONFIGS {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else
-                        f"{'sliced' if r.get('sliced') else 'split'}={r['split_k']} BN={r['block_n']} "
+                        f"{'wgmma' if r.get('wgmma') else 'sliced' if r.get('sliced') else 'split'}={r['split_k']} "
+                        f"BN={r['block_n']} "
                         f"{r['tuned_config']}")
                 say(f"  {n:>5}x{k:<7} {m:>3} {r['bf16_us']:8.1f} {r['bf16_tbs']:5.2f} {r['fp8_us']:7.1f} "
                     f"{r['fp8_tbs']:5.2f} {100 * r['fp8_tbs'] / read_tbs:4.0f}% {r['speedup_vs_bf16']:5.2f}x | "

@@ -11,6 +11,8 @@ Presets:
                   RMSNorm and SwiGLU emulated): session 17's A/B
   split-k-s17     decode GEMMs with 2 / 4 K splits and M <= 16 / splits on the split-K kernel and its fused reduce, not
                   the sliced kernel (`SLICED_AUTO` off; the same bits): session 18's A/B
+  sliced-s18      the H200's BM-16 DECODE_CONFIGS entries of session 18 (split-K / sliced kernels) for the four shapes
+                  session 19 moved to the Gluon wgmma kernel: session 19's A/B
 """
 
 from __future__ import annotations
@@ -39,7 +41,18 @@ def _split_k_s17() -> None:
     gemm.SLICED_AUTO = False
 
 
-PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17}
+def _sliced_s18() -> None:
+    old = dict(num_warps=4, fused_reduce=True, block_n=64)
+    gemm.DECODE_CONFIGS.update({
+        ("NVIDIA H200", 4096, 14336, 16): dict(old, split_k=4, num_stages=5),
+        ("NVIDIA H200", 6144, 4096, 16): dict(old, split_k=4, num_stages=3),
+        ("NVIDIA H200", 7168, 16384, 16): dict(old, split_k=4, num_stages=3),
+        ("NVIDIA H200", 28672, 4096, 16): dict(old, split_k=1, num_stages=3),
+    })
+
+
+PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17,
+           "sliced-s18": _sliced_s18}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:

@@ -46,6 +46,9 @@
   kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
   production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
   program vs aligned (gemm_wholek_ws: also warp-specialized, a producer warp for the TMA loads).
+* gemm_wgsplit / wgmma_rule / wgmma_sweep / wgmma_timeline (session 19): the Gluon kernel with K splits and the
+  activation on the wgmma's N side (`launch(splits=S, swap=True)`): bits vs split-K, one call and CUDA graph; an auto
+  rule at production's split counts (dropped); the sweep behind the BM-16 `wgmma` entries; per-program timelines.
 """
 
 from __future__ import annotations
@@ -1702,6 +1705,47 @@ def probe_gemm_timeline(copy_tbs: float, m: int = 4) -> None:
               f"{wbytes / r['span_us'] / 1e6:9.2f} {r['progs_per_sm']} on {r['sms_used']} SMs", flush=True)
 
 
+def probe_wgmma_timeline(copy_tbs: float) -> None:
+    """Session 19: 4096x14336, the Gluon wgmma kernel with K splits (`gemm_wgmma.launch(splits=S, swap=True)`, its
+    TIMES build) timed as `time_us` (one call after a clean flush), next to the pure-read access pattern and the
+    split-K MMA loop of `probe_gemm_timeline`: per program %globaltimer at its start, when its first stage has arrived,
+    after its loop and at its end (us from the first program's start; p50 / max over programs)."""
+    from engine.kernels import gemm_wgmma as GW
+
+    print(f"\n## Gluon wgmma program timeline, 4096x14336 (flush {FLUSH}; us from the first program's start)")
+    print(f"  {'kernel':44} {'event':>6} {'span':>6} {'start max':>9} {'1st data p50/max':>16} "
+          f"{'loop end p50/max':>16} {'end p50/max':>12} {'TB/s span':>9} progs/SM")
+    for m in (4, 16):
+        n, k, kb, (xd, xs, wd, ws), wbytes, w32, out = _timeline_case(m)
+        if m == 4:
+            for bn, split, st in ((64, 4, 3),):
+                r = _timeline(lambda buf, bn=bn, split=split, st=st: _tile_read_kernel[(n // bn, split)](
+                    w32, out, buf, -(-kb // split), kb, bn * k // 4, k // 4, 32, BN=bn, STAGES=st, TIMES=True,
+                    num_warps=4), (n // bn) * split)
+                print(f"  {'pattern read BN=64 splits=4 stages=3':44} {r['event_us']:6.2f} {r['span_us']:6.2f} "
+                      f"{r['start_skew_us']:9.2f} {'':>16} {'':>16} {'':>12} {wbytes / r['span_us'] / 1e6:9.2f} "
+                      f"{r['progs_per_sm']}", flush=True)
+        res = torch.empty((m, n), device=DEV, dtype=torch.bfloat16)
+        for split, gps, st in ((1, 2, 6), (2, 2, 4), (2, 4, 3), (4, 2, 4), (4, 4, 3), (4, 2, 6), (8, 2, 3)):
+            s_eff, _ = GW.split_plan(kb, split, gps)
+            progs = (n // 64) * s_eff
+
+            def run(buf, split=split, gps=gps, st=st):
+                GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), None, res, False, 64, st, gps, splits=split,
+                          swap=True, times=buf)
+
+            event, t = _timed_reps(run, progs, 5)
+            t0 = t[:, 0].min()
+            st_, fd, le, en = ((t[:, j] - t0) / 1e3 for j in range(4))
+            first = (fd - st_)
+            per_sm = torch.bincount(t[:, 4].long())
+            q = lambda v: f"{float(v.median()):6.2f}/{float(v.max()):6.2f}"
+            print(f"  {f'M={m} wgmma splits={s_eff} gps={gps} stages={st}':44} {event:6.2f} {float(en.max()):6.2f} "
+                  f"{float(st_.max()):9.2f} {q(first):>16} {q(le):>16} {q(en):>12} "
+                  f"{wbytes / float(en.max()) / 1e6:9.2f} {int(per_sm[per_sm > 0].min())}-{int(per_sm.max())} on "
+                  f"{int((per_sm > 0).sum())} SMs", flush=True)
+
+
 def _set_carveout(kernel, cache_config=None, carveout=None) -> None:
     """cuFuncSetCacheConfig / the preferred shared-memory carveout (percent) of a compiled Triton kernel (ctypes on
     libcuda; Triton itself sets CU_FUNC_CACHE_PREFER_SHARED on kernels with more than 48 KB of shared memory)."""
@@ -2351,6 +2395,144 @@ def probe_gemm_sliced(copy_tbs: float, shapes=SLICED_SHAPES, ms=(2, 4, 8), wide=
         print(f"      bits equal split-K in {sum(r[3] for r in res)} of {len(res)} configs", flush=True)
 
 
+def _wg_run(xd, xs, wts, cfg: dict, out_dtype=torch.bfloat16, i: int = 0):
+    """`engine.kernels.gemm_wgmma.launch` with the knobs in cfg (block_n, stages, gps, splits, swap, rotate) on
+    weight copy i; returns out (M, N)."""
+    from engine.kernels import gemm_wgmma as GW
+
+    wd, ws = wts[i]
+    out = torch.empty((xd.shape[0], wd.shape[0]), device=xd.device, dtype=out_dtype)
+    GW.launch(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), None, out, False,
+              cfg["block_n"], cfg["stages"], cfg["gps"], rotate=cfg.get("rotate", False), splits=cfg["splits"],
+              swap=cfg["swap"])
+    return out
+
+
+def probe_gemm_wgsplit(copy_tbs: float, shapes=SLICED_SHAPES[:1], ms=(4, 16)) -> None:
+    """Session 19: the Gluon wgmma kernel (TMA ring, scale table in shared memory) with split-K and its fused reduce
+    (`launch(splits=S)`), activation rows on the wgmma M side (64, zero-filled by TMA) or, with swap, on its N side
+    (M rounded up to 8 / 16) and 64 weight rows on M; over splits, stages and groups per stage. Each config: whether
+    its bits equal the split-K Triton kernel with the same K partition (64-row tiles, fused reduce, not sliced), one
+    call after a clean L2 flush and per call in a CUDA graph over weight copies, against the production dispatch."""
+    from engine.kernels import gemm as G
+    from engine.kernels import gemm_wgmma as GW
+
+    f32 = torch.float32
+    print("\n## Gluon wgmma split-K decode GEMM vs production: one call (clean flush) | CUDA graph, us per call")
+    for n, k, m, xd, xs, wts, wbytes in _graph_cases(shapes, ms, "production"):
+        kb = -(-k // 128)
+        ref = G.fp8_block_linear_reference(xd, xs, *wts[0], out_dtype=f32)
+        res = []
+        for swap in (True, False):
+            for splits in (1, 2, 4, 8):
+                for gps, stages in ((2, 3), (2, 4), (2, 6), (4, 2), (4, 3)):
+                    for bn in (64,):
+                        cfg = dict(block_n=bn, stages=stages, gps=gps, splits=splits, swap=swap)
+                        if GW.plan_error(m, n, k, bn, stages, gps, splits, swap):
+                            continue
+                        s_eff, per = GW.split_plan(kb, splits, gps)
+                        try:
+                            out = _wg_run(xd, xs, wts, cfg, f32)
+                            err = ((out - ref).norm() / ref.norm()).item()
+                            t = _time_us(lambda: _wg_run(xd, xs, wts, cfg), flush="clean")
+                            g = graph_us([lambda i=i: _wg_run(xd, xs, wts, cfg, i=i) for i in range(len(wts))])
+                        except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                            print(f"    {cfg} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+                            continue
+                        same = None
+                        if G._cdiv(kb, G._cdiv(kb, s_eff)) == s_eff and G._cdiv(kb, s_eff) == per:
+                            tri = G.fp8_block_gemm_triton(xd, xs, *wts[0], out_dtype=f32, split_k=s_eff, block_n=64,
+                                                          fused_reduce=True, sliced=False)
+                            same = torch.equal(out.view(torch.int32), tri.view(torch.int32))
+                        res.append((t, g, err, same, dict(cfg, splits=s_eff)))
+        res.sort(key=lambda r: r[0])
+        for t, g, err, same, cfg in res[:12]:
+            print(f"      one call {t:6.2f} us {wbytes / t / 1e6:5.2f} TB/s | graph {g:6.2f} us "
+                  f"{wbytes / g / 1e6:5.2f} TB/s  err {err:.1e} bits == split-K: {same}  {cfg}", flush=True)
+        best_g = min(res, key=lambda r: r[1]) if res else None
+        if best_g:
+            print(f"      best in graph: {best_g[1]:6.2f} us {wbytes / best_g[1] / 1e6:5.2f} TB/s {best_g[4]}")
+        print(f"      bits equal split-K in {sum(r[3] is True for r in res)} of {sum(r[3] is not None for r in res)} "
+              f"comparable configs; max err {max((r[2] for r in res), default=0):.1e}", flush=True)
+
+
+def probe_wgmma_rule(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES + ((7168, 16384),), ms=(2, 4, 8, 16),
+                     pipes=((2, 3), (2, 4), (2, 6), (4, 2), (4, 3)), splits=(1, 2, 4, 8), top: int = 0) -> None:
+    """Session 19: the decode dispatch with and without `WGMMA_AUTO` (split-K calls as the Gluon wgmma kernel with
+    the same K partition), per call in a CUDA graph over weight copies (bf16 out): production without it, the rule
+    with each (groups per stage, stages) in pipes (bits vs production), and the explicit knob at each split count in
+    splits with the rule's pipeline (is the split rule's count the wgmma kernel's best?). top > 0: instead, every
+    (split, groups per stage, stages) of the explicit knob timed twice, the top fastest printed with their shared
+    memory per program and program count."""
+    from engine.kernels import gemm as G
+    from engine.kernels import gemm_wgmma as GW
+
+    bf, f32 = torch.bfloat16, torch.float32
+    saved = G.WGMMA_AUTO, G.WGMMA_GPS, G.WGMMA_STAGES
+    print("\n## WGMMA_AUTO: decode GEMMs per call in a CUDA graph over weight copies (us; TB/s of weight bytes)")
+    try:
+        for n, k in shapes:
+            wts = _fp8_weights(n, k)
+            wbytes = n * k + wts[0][1].numel() * 4
+            for m in ms:
+                xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+                G.WGMMA_AUTO = False
+                base = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=f32)
+                prod = lambda: graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+                t0 = prod()
+                if top:
+                    t0b = prod()
+                    res = []
+                    for sp in splits:
+                        for gps, stages in pipes:
+                            if GW.plan_error(m, n, k, 64, stages, gps, sp, True):
+                                continue
+                            s_eff, per = GW.split_plan(-(-k // 128), sp, gps)
+                            cfg = dict(wgmma=gps, split_k=sp, block_n=64, num_stages=stages)
+                            run = lambda: graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf,
+                                                                                        **cfg) for w in wts])
+                            ta, tb = run(), run()
+                            smem = GW.smem_bytes(64, stages, per, gps, GW.x_rows(m, True))
+                            res.append((max(ta, tb), ta, tb, s_eff, gps, stages, smem, -(-n // 64) * s_eff))
+                    res.sort()
+                    cells = " ".join(f"S{s_}g{g}n{st}={a:6.2f}/{b:6.2f}({sm // 1024}K,{p}p)"
+                                     for _, a, b, s_, g, st, sm, p in res[:top])
+                    print(f"  {n:5d}x{k:5d} M={m:2d}: production {t0:6.2f}/{t0b:6.2f} us "
+                          f"({wbytes / t0 / 1e6:4.2f} TB/s) | {cells}", flush=True)
+                    continue
+                cells = []
+                G.WGMMA_AUTO = True
+                for gps, stages in pipes:
+                    G.WGMMA_GPS, G.WGMMA_STAGES = gps, stages
+                    launched = []
+                    real = G.gw.launch
+                    G.gw.launch = lambda *a, **kw: (launched.append(kw.get("splits")), real(*a, **kw))[1]
+                    try:
+                        got = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=f32)
+                    finally:
+                        G.gw.launch = real
+                    if not launched:
+                        cells.append(f"g{gps}s{stages}=off")
+                        continue
+                    same = torch.equal(got.view(torch.int32), base.view(torch.int32))
+                    t = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+                    cells.append(f"g{gps}s{stages}={t:6.2f}{'' if same else '(BITS DIFFER)'} [S{launched[0]}]")
+                G.WGMMA_GPS, G.WGMMA_STAGES = saved[1:]
+                for sp in splits:
+                    cfg = dict(wgmma=True, split_k=sp, block_n=64)
+                    try:
+                        t = graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
+                                      for w in wts])
+                    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
+                        cells.append(f"S{sp}=FAILED {type(exc).__name__}")
+                        continue
+                    cells.append(f"S{sp}={t:6.2f}")
+                print(f"  {n:5d}x{k:5d} M={m:2d}: production {t0:6.2f} us ({wbytes / t0 / 1e6:4.2f} TB/s) | "
+                      + " ".join(cells), flush=True)
+    finally:
+        G.WGMMA_AUTO, G.WGMMA_GPS, G.WGMMA_STAGES = saved
+
+
 def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbytes: int) -> None:
     """One split-rule sweep point: the heuristic's split count and time, the best variant, every variant's time (the
     row format benchmarks/split_rule_eval.py reads)."""
@@ -2651,6 +2833,13 @@ def main() -> int:
               "mx_split64": lambda c: probe_mx_split(c, ms=(48, 64)),
               "mx_split_check": lambda c: probe_mx_split(c, ms=(4, 16, 32), shapes=MX_SPLIT_CHECK),
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek, "gemm_sliced": probe_gemm_sliced,
+              "gemm_wgsplit": probe_gemm_wgsplit, "wgmma_rule": probe_wgmma_rule,
+              "wgmma_timeline": probe_wgmma_timeline,
+              "wgmma_sweep": lambda c: probe_wgmma_rule(c, shapes=((28672, 4096), (4096, 14336), (7168, 16384),
+                                                                   (6144, 4096)), ms=(4, 8, 16),
+                                                        pipes=((2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (4, 2), (4, 3)),
+                                                        splits=(1, 2, 4), top=8),
+              "gemm_wgsplit_all": lambda c: probe_gemm_wgsplit(c, shapes=SLICED_SHAPES[:3]),
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),
               "prefill": lambda _: probe_prefill()}

@@ -103,7 +103,7 @@ def run(name: str) -> None:
             assert _same_bits(rounded, out.to(torch.bfloat16).float()), f"split_k={split} fused={fused}: bf16 rounding"
             as_bf16 = G.fp8_block_gemm_triton(*ops, bias=bias, out_dtype=torch.bfloat16, **kw)
             assert torch.equal(as_bf16.float(), rounded), f"split_k={split} fused={fused}: bf16 output"
-    elif name == "decode_config_knob_sets":  # every committed entry's knobs (whole_k: its split-K fallback here)
+    elif name == "decode_config_knob_sets":  # every committed entry's knobs (whole_k / wgmma: split-K fallback here)
         seen = set()
         for (_, n, k, bm), knobs in G.DECODE_CONFIGS.items():
             key = (bm, tuple(sorted(knobs.items())))

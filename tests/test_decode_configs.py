@@ -30,6 +30,12 @@ def test_every_table_entry_is_runnable(key):
         gps = knobs["whole_k"] if knobs["whole_k"] in (2, 4) else GW.GPS
         stages = knobs.get("num_stages") or GW.default_stages(bn, gps)
         assert GW.plan_error(bm, n, k, bn, stages, gps) is None
+    elif knobs.get("wgmma"):  # the swapped wgmma kernel at the smallest and largest M of the tile
+        gps = knobs["wgmma"] if knobs["wgmma"] in (2, 4) and knobs["wgmma"] is not True else GW.GPS
+        assert bn == 64 and GW.split_plan(-(-k // 128), knobs["split_k"], gps)[0] == knobs["split_k"]
+        for m in (2, bm):
+            stages = knobs.get("num_stages") or GW.swap_stages(m, -(-k // 128), knobs["split_k"], gps)
+            assert GW.plan_error(m, n, k, bn, stages, gps, knobs["split_k"], True) is None
     else:
         assert bn in (16, 32, 64, 128) and knobs["split_k"] >= 1
         splits, per = G._plan_split(bm, n, -(-k // 128), bm, bn, torch.device("cpu"), knobs["split_k"])
@@ -297,3 +303,61 @@ def test_entry_files_take_the_sliced_knob(tmp_path, monkeypatch):
     assert got == {("g", 4096, 4096, 16): dict(split_k=4, sliced=False),
                    ("g", 6144, 4096, 16): dict(sliced=4, block_n=32)}
     assert G.DECODE_CONFIGS[("g", 6144, 4096, 16)] == dict(sliced=4, block_n=32)
+
+
+def test_wgmma_knob_dispatch(monkeypatch):
+    """wgmma=True: one launch of the swapped wgmma kernel (64-row weight tiles) with the given or the rule's split
+    count and `swap_stages` (or the given stages), no split-K launch; not usable here: the split-K kernel with the same
+    split count; block_n other than 64 is refused by name. A DECODE_CONFIGS entry with the knob dispatches the same
+    way, and wgmma=False alone keeps the entry's split count on the split-K kernel."""
+    launched, split = [], _Launch()
+    monkeypatch.setattr(GW, "usable", lambda *a: True)
+    monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw)))
+    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(G, "_splitk_reduce_kernel", _Launch())
+    x, xs, w, ws = _operands(m=4)  # N 256, K 1024: 8 groups
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 4, wgmma=4, num_stages=3)
+    assert launched == [((64, GW.swap_stages(4, 8, 2), GW.GPS), dict(splits=2, swap=True)),
+                        ((64, 3, 4), dict(splits=4, swap=True))] and split.calls == []
+    assert GW.swap_stages(4, 8, 2) == 2  # 4 groups per split: no more stages than it has stages of 2 groups
+    with pytest.raises(ValueError, match="block_n=32"):
+        G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True, block_n=32)
+    monkeypatch.setattr(GW, "usable", lambda *a: False)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
+    assert len(launched) == 2 and len(split.calls) == 1 and split.calls[0][0][2] == 2
+    monkeypatch.setattr(GW, "usable", lambda *a: True)
+    key = (G._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
+    monkeypatch.setitem(G.DECODE_CONFIGS, key, dict(wgmma=True, split_k=2, block_n=64))
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    assert len(launched) == 3 and launched[-1][1]["splits"] == 2
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, wgmma=False)
+    assert len(launched) == 3 and len(split.calls) == 2 and split.calls[-1][0][2] == 2
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 9, 16, 17, 32, 64])
+@pytest.mark.parametrize("kb, splits", [(32, 1), (32, 2), (32, 4), (112, 4), (128, 1), (8, 4)])
+def test_swap_stages_keep_two_programs_per_sm(m, kb, splits):
+    """The default pipeline keeps a program within SWAP_SMEM_BYTES, so that two fit on one H200 SM (unless 2 stages
+    alone exceed it), is the deepest that does, and has no more stages than the split has stages of groups."""
+    st = GW.swap_stages(m, kb, splits)
+    per = GW.split_plan(kb, splits)[1]
+    smem = lambda s: GW.smem_bytes(64, s, per, GW.GPS, GW.x_rows(m, True))
+    assert 2 <= st <= max(2, -(-per // GW.GPS))
+    assert smem(st) <= GW.SWAP_SMEM_BYTES or st == 2
+    assert smem(st + 1) > GW.SWAP_SMEM_BYTES or st >= -(-per // GW.GPS)
+    assert 2 * (smem(st) + 1024) <= 228 * 1024 or st == 2
+
+
+def test_entry_files_take_the_wgmma_knob(tmp_path, monkeypatch):
+    """An entry file may select the wgmma kernel (true or 2 / 4 groups per stage) or keep a shape off it (false)."""
+    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(split_k=2, wgmma=4)),
+                                dict(device="g", n=6144, k=4096, bm=16, knobs=dict(split_k=4, wgmma=False))]))
+    assert G.load_decode_configs(str(path)) == {("g", 4096, 4096, 16): dict(split_k=2, wgmma=4),
+                                                ("g", 6144, 4096, 16): dict(split_k=4, wgmma=False)}
+    path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(wgmma=3))]))
+    with pytest.raises(ValueError, match="wgmma=3"):
+        G.load_decode_configs(str(path))

@@ -31,6 +31,9 @@ from tests.test_gemm_fused_reduce import _Launch, _operands
     ((4, 256, 512, 48, 8), "block_n=48"),
     ((4, 256, 512, 32, 1), "num_stages=1"),
     ((4, 256, 14336, 32, 17), "shared memory"),
+    ((4, 256, 512, 32, 3, 2, 1, True), "swap"),
+    ((4, 256, 512, 64, 3, 2, 0), "splits=0"),
+    ((4, 256, 32768, 64, 3, 2, 1), "per split"),
 ])
 def test_plan_error_names_the_problem(args, needle):
     """Each unsupported shape / config is refused with a message naming the offending value."""
@@ -50,6 +53,31 @@ def test_plan_limits():
         assert GW.default_stages(bn, 4) <= max(s for s in range(2, 40) if GW.smem_bytes(bn, s, 128, 4) <= GW.SMEM_BYTES)
     assert [GW._groups_pad(kb, 4) for kb in (1, 2, 3, 32, 33, 112, 127, 128)] == [4, 4, 4, 32, 64, 128, 128, 128]
     assert [GW._groups_pad(kb, 2) for kb in (1, 3, 33)] == [2, 4, 64]
+
+
+@pytest.mark.parametrize("kb", [1, 2, 7, 9, 12, 112, 128, 256])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 8, 300])
+@pytest.mark.parametrize("gps", [2, 4])
+def test_split_plan_covers_k_in_whole_stages(kb, splits, gps):
+    """Every split but the last walks the same whole number of stages, the last at least one group, no split
+    more than asked, and the splits cover the groups exactly once."""
+    n, per = GW.split_plan(kb, splits, gps)
+    assert 1 <= n <= max(1, min(splits, kb)) and per % gps == 0
+    assert (n - 1) * per < kb <= n * per
+    if splits == 1:
+        assert n == 1
+
+
+def test_split_and_swap_shrink_the_plan():
+    """A K split needs a scale table for its own groups only (K = 32768 runs as 2 splits), and with swap the
+    activation tile is M rounded up to 8 / 16 / 32 / 64 rows, so more stages fit."""
+    assert GW.plan_error(4, 4096, 32768, 64, 3) is not None
+    assert GW.plan_error(4, 4096, 32768, 64, 3, 2, 2) is None
+    assert [GW.x_rows(m, True) for m in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert GW.x_rows(4) == GW.XROWS
+    fits = lambda m, swap: max(s for s in range(2, 64) if GW.plan_error(m, 4096, 14336, 64, s, 2, 4, swap) is None)
+    assert fits(4, True) > fits(4, False) >= fits(64, True)
+    assert GW.smem_bytes(64, 4, 28, 2, 16) == 4 * 2 * 80 * 128 + 32 * 16 * 4 + 4 * 16
 
 
 def test_whole_k_dispatch(monkeypatch):
@@ -100,8 +128,9 @@ def _ptxas() -> str:
     return path
 
 
-def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, warp_spec: bool = False):
-    """`_fp8_rows_gemm_kernel` compiled for sm_90 (CUDA 12.x PTX) without a GPU."""
+def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, warp_spec: bool = False,
+                  split: bool = False, xrows: int = GW.XROWS):
+    """`_fp8_rows_gemm_kernel` compiled for sm_90 (CUDA 12.x PTX) without a GPU; xrows < 64: the swapped kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -109,7 +138,7 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, war
 
     fn = GW._fp8_rows_gemm_kernel
     consts = dict(NS=stages, GPS=gps, KB_PAD=128, HAS_BIAS=True, ROUND_BF16=True, PDL=True, ROTATE=rotate,
-                  WS=warp_spec)
+                  WS=warp_spec, SPLIT=split, SWAP=xrows < GW.XROWS, TIMES=False)
 
     def desc(rows):
         return f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)}>"
@@ -119,7 +148,11 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, war
         if a in consts:
             sig[a] = "constexpr"
         elif a in ("x_desc", "w_desc"):
-            sig[a] = desc(GW.XROWS if a == "x_desc" else block_n)
+            sig[a] = desc(xrows if a == "x_desc" else block_n)
+        elif a == "cnt_ptr":
+            sig[a] = "*i32"
+        elif a == "t_ptr":
+            sig[a] = "*i64"
         else:
             sig[a] = ("*bf16" if a in ("out_ptr", "bias_ptr") else "*fp32") if a.endswith("_ptr") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or a == "K"}
@@ -128,14 +161,17 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, war
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-@pytest.mark.parametrize("block_n, stages, gps, rotate, warp_spec", [
-    (16, 4, 4, False, False), (32, 4, 4, False, False), (64, 3, 4, False, False), (32, 8, 2, False, False),
-    (32, 4, 4, True, False), (64, 6, 2, False, True), (32, 4, 4, True, True)])
-def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate, warp_spec):
+@pytest.mark.parametrize("block_n, stages, gps, rotate, warp_spec, split, xrows", [
+    (16, 4, 4, False, False, False, 64), (32, 4, 4, False, False, False, 64), (64, 3, 4, False, False, False, 64),
+    (32, 8, 2, False, False, False, 64), (32, 4, 4, True, False, False, 64), (64, 6, 2, False, True, False, 64),
+    (32, 4, 4, True, True, False, 64), (64, 4, 2, False, False, True, 64), (64, 4, 2, False, False, True, 16),
+    (64, 3, 4, False, False, True, 8), (64, 6, 2, True, True, True, 32)])
+def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate, warp_spec, split, xrows):
     """ptxas reports no serialized wgmma (C7514) and no injected wait (C7517); the loop starts all of a stage's
     dots before its first wait (`wgmma.wait_group gps - 1`), and the kernel fits the shared memory the host plans
-    for."""
-    kernel = _compile_sm90(block_n, stages, gps, rotate, warp_spec)
+    for. Split: the partial store and the counter's acq_rel arrival are there; swapped (xrows < 64): the weight
+    tile is the wgmma's A operand (m64, N = the activation rows)."""
+    kernel = _compile_sm90(block_n, stages, gps, rotate, warp_spec, split, xrows)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -145,9 +181,10 @@ def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate, warp_s
                              capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "C7514" not in res.stderr and "C7517" not in res.stderr, res.stderr
-    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n if xrows == GW.XROWS else xrows}k32.f32.e4m3.e4m3" in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == split, "the fused reduce's arrival: acq_rel at gpu scope"
     first_wait = ptx.index("wgmma.wait_group")
     assert ptx[:first_wait].count("wgmma.commit_group") == gps
     assert f"wgmma.wait_group.sync.aligned {gps - 1};" in ptx
     assert kernel.metadata.shared <= GW.SMEM_BYTES
-    assert kernel.metadata.shared >= GW.smem_bytes(block_n, stages, 128, gps) - 1024
+    assert kernel.metadata.shared >= GW.smem_bytes(block_n, stages, 128, gps, xrows) - 1024

@@ -165,3 +165,111 @@ def test_warp_specialized_and_rotated_variants(spy, m, n, k):
     assert torch.equal(outs[True, False], outs[True, True])
     ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
     assert _rel(outs[True, True].view(torch.float32), ref) <= TOL[torch.float32]
+
+
+def _wg(xd, xs, wd, ws, bias=None, dtype=torch.float32, round_bf16=False, block_n=64, stages=3, gps=2, splits=1,
+        swap=False, out=None):
+    """`gemm_wgmma.launch` into a fresh (M, N) buffer (or out)."""
+    from engine.kernels import gemm_wgmma as GW
+
+    out = torch.empty((xd.shape[0], wd.shape[0]), device="cuda", dtype=dtype) if out is None else out
+    GW.launch(xd, xs, xs.stride(), wd, ws, ws.stride(), bias, out, round_bf16, block_n, stages, gps, splits=splits,
+              swap=swap)
+    return out
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 13, 16, 33])
+@pytest.mark.parametrize("nk, splits, gps", [((200, 1424), 2, 2), ((384, 4096), 4, 2), ((384, 3072), 3, 4),
+                                             ((4096, 14336), 4, 2), ((4096, 14336), 2, 4), ((256, 896), 8, 2)])
+def test_split_and_swap_same_bits_as_split_k(spy, m, nk, splits, gps, swap):
+    """K split across programs (`launch(splits=S)`: partials summed in split order by the last split of each tile),
+    with the activation on either side of the wgmma: bit-identical to the split-K Triton kernel with the same K
+    partition and its fused reduce -- tails in N and K (an odd group count, a last split shorter than the others),
+    bias added and bf16 rounding in the reducing split -- and the same bits again on the next call (the arrival
+    counters were left zeroed). (256, 896): 7 groups asked for 8 splits, planned as 4 splits of 2."""
+    from engine.kernels import gemm_wgmma as GW
+
+    n, k = nk
+    kb = -(-k // 128)
+    s_eff, per = GW.split_plan(kb, splits, gps)
+    assert s_eff <= splits and per % gps == 0 and (s_eff - 1) * per < kb <= s_eff * per
+    assert -(-kb // s_eff) == per, "the case must have a split-K partition to compare with"
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n + splits)
+    bias = torch.randn(n, device="cuda") * 3
+    for round_bf16 in (False, True):
+        out = _wg(xd, xs, wd, ws, bias, round_bf16=round_bf16, splits=splits, gps=gps, swap=swap)
+        again = _wg(xd, xs, wd, ws, bias, round_bf16=round_bf16, splits=splits, gps=gps, swap=swap)
+        assert torch.equal(out.view(torch.int32), again.view(torch.int32))
+        ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+        assert _rel(out, ref) <= TOL[torch.bfloat16 if round_bf16 else torch.float32]
+        tri = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), bias, torch.float32, s_eff, block_n=64,
+                              fused_reduce=True, sliced=False, round_bf16=round_bf16)
+        assert torch.equal(out.view(torch.int32), tri.view(torch.int32)), (m, n, k, s_eff, swap, round_bf16)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_split_special_values_and_bounds(spy, swap):
+    """Split K: a zero activation row gives exact zeros, a NaN in one split's activation poisons only its own
+    output row, rows >= M of the output buffer are never written, and the bf16 output matches the fp32 one rounded."""
+    m, n, k = 5, 256, 1024
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=17)
+    xd, xs = xd.clone(), xs.clone()
+    xd[0] = 0
+    xs[0] = 1.0
+    xd[3, 700] = float("nan")  # group 5: the third of 4 splits of 2 groups
+    buf = torch.full((m + 3, n), 7.0, device="cuda")
+    view = _wg(xd, xs, wd, ws, splits=4, swap=swap, out=buf[:m])
+    assert torch.equal(view[0], torch.zeros_like(view[0]))
+    assert torch.isnan(view[3]).all() and torch.isfinite(view[[0, 1, 2, 4]]).all()
+    assert torch.equal(buf[m:], torch.full_like(buf[m:], 7.0)), "rows >= M must stay untouched"
+    bf = _wg(xd, xs, wd, ws, dtype=torch.bfloat16, splits=4, swap=swap)
+    good = [0, 1, 2, 4]
+    assert torch.equal(bf[good], view[good].to(torch.bfloat16))
+
+
+def test_split_in_a_cuda_graph(spy):
+    """A CUDA graph of split calls (the fused reduce's counters captured) replays the eager bits, twice, and follows
+    new activations written into its static input."""
+    m, n, k = 4, 1024, 4096
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=31)
+    eager = _wg(xd, xs, wd, ws, splits=4, swap=True)
+    x_static = xd.clone()
+    out = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _wg(x_static, xs, wd, ws, splits=4, swap=True, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _wg(x_static, xs, wd, ws, splits=4, swap=True, out=out)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int32), eager.view(torch.int32))
+    x2, _, _, _ = _block_operands(m, n, k, seed=32)
+    x_static.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int32), _wg(x2, xs, wd, ws, splits=4, swap=True).view(torch.int32))
+
+
+def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
+    """The H200 entry for 4096x14336 at BM 16 runs the wgmma kernel (4 splits, the rule's stages) at M = 4 and 16 and
+    gives the bits the split-K entry before it gave (4 splits of 64-row tiles, fused reduce); wgmma=False alone keeps
+    the entry's split count on the split-K kernel, with the same bits again."""
+    from engine.kernels import gemm_wgmma as GW
+
+    monkeypatch.setattr(spy, "_device_name", lambda *a: "NVIDIA H200")
+    for m in (4, 16):
+        xd, xs, wd, ws = _block_operands(m, 4096, 14336, seed=40 + m)
+        out = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert spy.calls[-1] == (64, GW.swap_stages(m, 112, 4))
+        old = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, split_k=4, block_n=64,
+                                        num_warps=4, num_stages=5, fused_reduce=True, sliced=False)
+        assert torch.equal(out.view(torch.int32), old.view(torch.int32))
+        n_calls = len(spy.calls)
+        off = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, wgmma=False)
+        assert len(spy.calls) == n_calls and torch.equal(off.view(torch.int32), old.view(torch.int32))

@@ -678,12 +678,21 @@ _fp8_block_gemm_tuned = triton.autotune(
 # `benchmarks/tune_kernels.py` prints entries to paste here. The split count changes the fp32
 # summation order, so an entry fixes the bits of that (shape, device) like the heuristic does.
 DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
-    # H200 sweep, benchmarks/results/h200-2026-11-29-session3/tune_gemm.txt: 26.5 us vs 27.8 us at M=1
-    ("NVIDIA H200", 4096, 14336, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=5, fused_reduce=True),
+    # BM 16 (M 2-16) on the big decode shapes: the Gluon wgmma kernel (activation rows on the wgmma's N side; `wgmma`
+    # knob), its split count measured per shape and its pipeline by `gemm_wgmma.swap_stages` unless pinned. H200, us
+    # per call in a CUDA graph over weight copies (benchmarks/results/h200-2026-11-30-session19/probe_wgmma_sweep.txt,
+    # each timed twice, within 0.05 us), M = 4 / 8 / 16, this entry's config vs the split-K entries before:
+    #   4096x14336 (4 splits, as before: the same K partition, the same bits): 16.9 / 17.3 / 17.9 vs 17.5 / 18.6 / 19.1;
+    #   6144x4096 (2 splits; was 4):  8.4 / 8.6 / 9.5 vs 8.9 / 9.6 / 9.9;
+    #   7168x16384 (1 split; was 4; 4 stages, the fastest at every M): 30.0 / 30.2 / 30.8 vs 30.5 / 31.7 / 32.2;
+    #   28672x4096 (1 split, as before): 28.3 / 28.6 / 29.3 vs 29.7 / 29.9 / 30.0.
+    # 4096x4096 stays on split-K: the wgmma kernel was 1-7% slower at M = 2 / 4 (probe_wgmma_rule.txt).
+    ("NVIDIA H200", 4096, 14336, 16): dict(wgmma=True, split_k=4, block_n=64),
+    ("NVIDIA H200", 6144, 4096, 16): dict(wgmma=True, split_k=2, block_n=64),
     # Llama-3-8B decode at batch 8 / 64, swept as a decode step runs them (CUDA graph of 64 calls over weight copies,
     # benchmarks/results/h200-2026-11-30-session14/probe_decode_graph.txt; us per call, entry vs heuristic). The
-    # attention shapes at BM 16 want 4 splits, not the heuristic's 8 (9.8 vs 12.8 us and 7.7 vs 11.0 us):
-    ("NVIDIA H200", 6144, 4096, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    # attention shapes at BM 16 want 4 splits, not the heuristic's 8 (9.8 vs 12.8 us and 7.7 vs 11.0 us; 6144x4096:
+    # session 19's entry above since):
     ("NVIDIA H200", 4096, 4096, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
     # At BM 64 split-K partials cost up to a quarter of the weight's bytes (splits x 64 rows x N x 4 B, written and
     # read back) and the whole-K kernel's 64 activation rows are all real: it wins where N is small. 28672x4096
@@ -699,13 +708,15 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # (graph 2.98 / 2.90 TB/s). Session 15 timed every config both ways (h200-2026-11-30-session15/
     # probe_decode_dual.txt): 3 stages, one call 34.05 / 34.05 us (3.45 TB/s) and graph 31.7 / 32.6 us (3.71 / 3.60
     # TB/s), against 4 stages' 39.5 / 40.9 us in the graph; bench_gemm.txt: 3.47 / 3.43 TB/s, graph 3.76 / 3.66.
-    ("NVIDIA H200", 7168, 16384, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    # (Session 19: the wgmma kernel instead, entry above: 30.0-30.8 us in the graph.)
+    ("NVIDIA H200", 7168, 16384, 16): dict(wgmma=True, split_k=1, block_n=64, num_stages=4),
     # 28672x4096 (gate+up) at BM 16 / 32: no split, 64-row tiles, as the heuristic, but 3 stages pinned. Left to the
     # autotuner (timed on repeated calls, L2 warm) it took 3 stages in session 14 and 4 in session 15, where one
     # call went 3.54 -> 3.72 TB/s and a CUDA graph over weight copies 3.87 -> 3.21 TB/s at M = 4 (session 14's
     # bench_gemm.txt, session 15's bench_gemm_autotuned_28672.txt; pinned: 3.61 / 3.99, session 15's bench_gemm.txt;
     # probe_decode_graph*.txt: 30.3 us at M = 8, 33.4 at M = 32). Same bits as the heuristic.
-    ("NVIDIA H200", 28672, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
+    # (Session 19: at BM 16 the wgmma kernel instead, entry above: 28.3-29.3 us in the graph, same one split.)
+    ("NVIDIA H200", 28672, 4096, 16): dict(wgmma=True, split_k=1, block_n=64),
     ("NVIDIA H200", 28672, 4096, 32): dict(split_k=1, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
     # Llama-3-8B decode at batch 17-32 (BM 32), swept as the batch-8 / 64 entries (benchmarks/results/
     # h200-2026-11-30-session15/probe_decode_graph32.txt, us per call in a CUDA graph, entry vs heuristic): 8 warps
@@ -722,7 +733,8 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # probe_decode_stages_check.txt). One split as the heuristic: same bits.
     ("NVIDIA H200", 128256, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
 }
-DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k", "sliced")
+DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k", "sliced",
+               "wgmma")
 # The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/
 # probe_split_rule.txt: 21 shapes N 2048-28672 x K 2048-14336 at M = 12 / 24 / 48, each call timed as a decode step
 # runs it, in a CUDA graph over weight copies). K splits until the programs about fill the SMs (SPLIT_FILL per SM;
@@ -897,13 +909,14 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str, Any]) -> dict[str, Any]:
-    """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only; with sliced=False when
-    that is the only knob given), else {}."""
+    """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only; with sliced=False and / or
+    wgmma=False when those are the only knobs given), else {}."""
     given = {key: v for key, v in knobs.items() if v is not None}
-    if m > 64 or (given and given != {"sliced": False}):
+    opt_outs = {key: v for key, v in given.items() if key in ("sliced", "wgmma") and v is False}
+    if m > 64 or given != opt_outs:
         return given
     entry = DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {})
-    return dict(entry, **given)  # sliced=False alone keeps the entry: its split-K call, not the sliced kernel
+    return dict(entry, **given)  # sliced / wgmma=False alone keep the entry: its split-K call, not those kernels
 
 
 def _positive_int(v: Any) -> bool:
@@ -921,6 +934,7 @@ _KNOB_VALUES: dict[str, tuple[Any, str]] = {
     "cluster": (lambda v: isinstance(v, bool), "true or false"),
     "whole_k": (lambda v: v is True or (v in (2, 4) and not isinstance(v, bool)), "true, 2 or 4"),
     "sliced": (lambda v: v is False or (v in (2, 4, 8) and not isinstance(v, bool)), "false, 2, 4 or 8"),
+    "wgmma": (lambda v: isinstance(v, bool) or v in (2, 4), "true, false, 2 or 4"),
 }
 
 
@@ -1073,13 +1087,26 @@ def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int
                                   num_stages=stages, **launch_opts(x))
 
 
+def _launch_wgmma(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
+                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+                  round_bf16: bool, gps: int, splits: int, num_stages: Optional[int]) -> bool:
+    """The Gluon wgmma kernel with the activation on the wgmma's N side (`gemm_wgmma.launch(swap=True)`, 64 weight
+    rows per program), `splits` K splits and num_stages pipeline stages (default `gemm_wgmma.swap_stages`), when it
+    can run here; False (nothing launched) when it cannot."""
+    stages = num_stages or gw.swap_stages(x.shape[0], _cdiv(x.shape[1], GROUP), splits, gps)
+    if not gw.usable(x, w, 64, stages, gps, splits, True):
+        return False
+    gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, 64, stages, gps, splits=splits, swap=True)
+    return True
+
+
 def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                 ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor],
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                 fused_reduce: Optional[bool] = None, round_bf16: bool = False,
                 cluster: Optional[bool] = None, whole_k: Optional[int] = None,
-                sliced: Optional[int] = None) -> torch.Tensor:
+                sliced: Optional[int] = None, wgmma: Optional[int] = None) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
@@ -1094,14 +1121,15 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k, sliced=sliced)
+                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k, sliced=sliced, wgmma=wgmma)
     if m == 1 and x.is_cuda and GEMV_M1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
-    auto_whole_k = {} if cfg else _heuristic_whole_k(m, n, x.device)
-    cfg = cfg or auto_whole_k
+    opt_outs = {key: v for key, v in cfg.items() if key in ("sliced", "wgmma") and v is False}
+    auto_whole_k = {} if cfg != opt_outs else _heuristic_whole_k(m, n, x.device)
+    cfg = dict(cfg, **auto_whole_k)
     if cfg.get("whole_k"):
         wbn = cfg.get("block_n") or gw.BLOCK_N
         gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
@@ -1111,7 +1139,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
             return out
         # not here (device / layout / shape): the heuristic's split-K call, or for an explicit whole_k the same
         # math in the split-K kernel (one split: the same bits on the H200)
-        cfg = {} if auto_whole_k else dict(cfg, split_k=1)
+        cfg = opt_outs if auto_whole_k else dict(cfg, split_k=1)
     if cfg.get("sliced") and not isinstance(cfg["sliced"], bool):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, cfg["sliced"],
                        cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"))
@@ -1121,6 +1149,13 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if bn not in (16, 32, 64, 128):
         raise _bad(f"block_n={bn}: use 16, 32, 64 or 128 (it must divide the 128-wide weight-scale blocks)")
     splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
+    if cfg.get("wgmma"):  # the rule's or the given split count; where it cannot run, the split-K kernel below
+        if bn != 64:
+            raise _bad(f"wgmma with block_n={bn}: the wgmma kernel's weight tile is 64 rows (its wgmma M)")
+        gps = cfg["wgmma"] if cfg["wgmma"] in (2, 4) and cfg["wgmma"] is not True else gw.GPS
+        if _launch_wgmma(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, gps, splits,
+                         cfg.get("num_stages")):
+            return out
     if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, splits, None, 4,
                        cfg.get("num_stages"), per)
@@ -1182,7 +1217,7 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
                           num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
                           cluster: Optional[bool] = None, whole_k: Optional[int] = None,
-                          sliced: Optional[int] = None) -> torch.Tensor:
+                          sliced: Optional[int] = None, wgmma: Optional[int] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
@@ -1204,13 +1239,19 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     K slices side by side in one MMA tile and summed in registers (`_fp8_sliced_gemm_kernel`: the bits of
     ``split_k=sliced, block_n=64`` on the H200 without the partials' trip through memory; ``block_n`` is then the
     weight rows per slice, default 64 / sliced). On CUDA, split-K calls with 2 or 4 splits of 64-row tiles and
-    M <= 16 / splits take it by themselves (`SLICED_AUTO`); ``sliced=False`` keeps them on the split-K kernel.
+    M <= 16 / splits take it by themselves (`SLICED_AUTO`); ``sliced=False`` keeps them on the split-K kernel;
+    ``wgmma`` (True, or 2 / 4 groups per pipeline stage): the Gluon wgmma kernel of `engine.kernels.gemm_wgmma` with
+    the activation rows on the wgmma's N side, 64-row weight tiles, ``split_k`` K splits (default: the split rule's)
+    of whole pipeline stages and the same fused reduce -- the bits of ``split_k=S, block_n=64`` with the same K
+    partition on the H200 (sm_90, M <= 64; elsewhere the split-K kernel runs); ``num_stages`` then counts its
+    pipeline stages (default: `gemm_wgmma.swap_stages`). The H200's `DECODE_CONFIGS` entries for the big Llama-3-8B
+    decode shapes at BM 16 select it; ``wgmma=False`` keeps a call off it (and on the entry's split-K config).
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
                       bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster,
-                      whole_k=whole_k, sliced=sliced)
+                      whole_k=whole_k, sliced=sliced, wgmma=wgmma)
     return out.reshape(*lead, w.shape[0])
 
 

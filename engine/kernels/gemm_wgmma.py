@@ -1,48 +1,45 @@
-"""Decode FP8 block GEMM with no split-K, written in Gluon (Triton's explicit-layout dialect) for sm_90.
+"""Decode FP8 block GEMMs written in Gluon (Triton's explicit-layout dialect) for sm_90: a TMA ring, a scale table
+in shared memory, asynchronous wgmma.
 
 ``out (M, N) = x (M, K) @ w (N, K)^T`` for block-scaled operands (x 1x128, w 128x128, as
-:func:`engine.kernels.gemm.fp8_block_linear`) and M <= 64. Each program owns ``BN`` whole weight rows
-over the whole of K, so no program depends on another and there is no split-K reduce. Reached through
-``fp8_block_gemm_triton(..., whole_k=True)`` (or ``whole_k=2 / 4``: 128-groups per pipeline stage).
+:func:`engine.kernels.gemm.fp8_block_linear`) and M <= 64. Program (p, s) owns ``BN`` weight rows over the 128-groups of
+K split s (all of K with one split). Two orientations:
 
-Why it exists: the split-K Triton kernel (`engine.kernels.gemm._fp8_block_gemm_kernel`) spends ~1.8 us of its
-~21 us on 4096x14336 at M = 4 / 16 in the reduce between programs (README, sessions 11-12), and one Triton
-program cannot stream a whole weight row block fast enough, because each K step waits for its own tensor-core
-dot (`wgmma.wait_group 0`) before scaling it. Gluon lets the loop be written out:
+* activation rows on the wgmma's M side (64 rows; TMA zero-fills rows >= M) and the weight tile on its N side, so BN
+  can be 16, 32 or 64 -- ``fp8_block_gemm_triton(..., whole_k=True)`` (or 2 / 4: 128-groups per pipeline stage), one
+  split, no reduce: the default at BM 64 (M 33-64), where all 64 activation rows are real;
+* ``swap``: 64 weight rows on the M side and the activation rows on the N side (M rounded up to 8 / 16 / 32 / 64),
+  with ``splits`` K splits whose partials the last split of each tile sums (the split-K kernel's fused reduce) --
+  ``fp8_block_gemm_triton(..., wgmma=True, split_k=S)``, the H200's BM-16 entries for the big decode shapes.
 
-* GPS weight tiles (BN, 128) and activation tiles (64, 128) per stage arrive by TMA into a ring of NS
-  shared-memory stages with one mbarrier each; the weight of the first NS stages is requested before the PDL
-  wait (weights are never written by a decode step: engine.kernels.pdl's contract), the activation after it;
-* the activation is on the wgmma's M side (64 rows; TMA zero-fills rows >= M, whose outputs are never stored)
-  and the weight tile on its N side, so BN can be 16, 32 or 64;
-* all GPS dots of a stage are started asynchronously (each into the registers of the accumulator retired in
-  the previous stage) and retired in group order with `warpgroup_mma_wait(GPS - 1 - j)`;
-* the per-group scales ``x_scale[m, g] * w_scale[n // 128, g]`` are computed once into a shared-memory table
-  (at most MAX_GROUPS groups) and read per group, never loaded from global memory inside the loop.
+The loop:
 
-Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group
-order: on the H200 the output is bit-identical to the split-K kernel with one split and 64-row tiles
-(``split_k=1, block_n=64``), an independent implementation of the same math (tests/test_gemm_wgmma_gpu.py).
-``launch(rotate=True)`` starts each program's K walk at its own chunk instead (a different fixed order);
-``launch(warp_spec=True)`` moves the TMA refills to a producer warp (`gl.warp_specialize`; same bits).
+* GPS weight and activation tiles per stage arrive by TMA into a ring of NS shared-memory stages with one mbarrier
+  each; the weight of the first NS stages is requested before the PDL wait (weights are never written by a decode
+  step: engine.kernels.pdl's contract), the activation after it;
+* all GPS dots of a stage are started asynchronously (each into the registers of the accumulator retired in the
+  previous stage) and retired in group order with `warpgroup_mma_wait(GPS - 1 - j)`;
+* the per-group scales ``x_scale[m, g] * w_scale[n // 128, g]`` of the program's split are computed once into a
+  shared-memory table (at most MAX_GROUPS groups per split) and read per group, never loaded from global memory
+  inside the loop.
 
-Where it runs: the decode GEMMs with 33-64 rows (tile BM 64) by default on the H200 (`gemm.WHOLE_K_AT_BM64`),
-where its 64 activation rows are all real and split-K's partials cost up to a quarter of the weight's bytes:
-1.04x the best of every variant tried over 21 shapes in CUDA graphs, against 1.44x for the split rule; Llama-3-8B
-batch-64 decode step 6.00 -> 4.71 ms (benchmarks/results/h200-2026-11-30-session14/). At M <= 32 it is opt-in.
+Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group order,
+and split partials are summed in split order from zero: on the H200 the output is bit-identical to the split-K Triton
+kernel with 64-row tiles and the same K partition, in both orientations (tests/test_gemm_wgmma_gpu.py; 80 of 80
+configs in benchmarks/results/h200-2026-11-30-session19/probe_gemm_wgsplit.txt). ``launch(rotate=True)`` starts each
+program's K walk at its own chunk instead (a different fixed order); ``launch(warp_spec=True)`` moves the TMA refills
+to a producer warp (`gl.warp_specialize`; same bits).
 
-Measured at M = 4 / 16 (H200, benchmarks/results/h200-2026-11-30-session13/): correct, but slower than the
-split-K default. 4096x14336, one call after a clean L2 flush: 32.8-39.4 us
-at M = 4 and 32.0-35.6 at M = 16 (best configs, 64 rows x 2-4 groups per stage) against 20.6-21.5 us for the
-split-K kernel; 28672x4096 47-51 us against 32. Under ncu, one program of one warpgroup per SM issues an
-instruction every 4.7 cycles with no other warp to switch to (1.03 active warps per scheduler). A 64-row program
-streams ~27 GB/s but N / 64 = 64 programs fill only 64 SMs; a 32-row program (128 SMs) streams ~11 GB/s, where
-3 TB/s needs ~23 GB/s on every SM. Neither 2 or 4 groups per stage, nor the rotated walk (-1 to -5 us), nor the
-producer warp (within +-0.6 us), nor issuing the groups' K=32 wgmma slices round-robin (same bits, same time;
-measured, then removed) changes that: the time follows the number of 128-groups a program walks (~0.3 us each),
-neither the issue of its loads nor its tensor-core chains. Remaining suspects, untested: the TMA engine's per-SM
-throughput on 128-byte-wide boxes (the split-K kernel streams through cp.async instead), and the 64 padded
-activation rows each group writes to and reads from shared memory.
+Measured (H200):
+
+* M side, whole K, M = 4 / 16 (session 13): 32.8-39.4 us on 4096x14336, one call, against ~21 us for split-K. The
+  time followed the number of 128-groups a program walks (~0.3 us each) whatever the pipeline; session 19 found why:
+  the 64 padded activation rows. Swapped, the same whole-K walk takes 22.2 us at M = 4 (probe_gemm_wgsplit.txt).
+* swap with splits, 4096x14336 (session 19): one call after a clean L2 flush 20.4-21.6 us at M = 4, about the split-K
+  kernel's 20.7 (the timed call's fixed cost is ~3.5 us: an empty kernel; the fastest pure read of the bytes takes
+  17.4 us); in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6
+  / 19.1 for the split-K entry (probe_wgmma_sweep.txt). Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8%
+  faster with the four BM-16 entries (e2e_*.txt).
 """
 
 from __future__ import annotations
@@ -68,15 +65,21 @@ def _pdl_enter():
 
 
 @gluon.jit
-def _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, NS: gl.constexpr, GPS: gl.constexpr,
+def _now():
+    """%globaltimer (ns), for the TIMES probe build."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS: gl.constexpr, GPS: gl.constexpr,
              WEIGHT: gl.constexpr, ACT: gl.constexpr):
-    """TMA the chunk of loop iteration i -- chunk c = (i + start) % nch, 128-groups c * GPS ... c * GPS + GPS - 1 --
-    of the weight and / or activation into stage i % NS (nothing when i >= nch; groups past K are zero-filled by
-    TMA). The stage's barrier expects all of the chunk's bytes (set with the weight, or with the activation when
-    WEIGHT is off)."""
+    """TMA the chunk of loop iteration i -- chunk c = c0 + (i + start) % nch, 128-groups c * GPS ... c * GPS + GPS - 1
+    (c0: the program's K split) -- of the weight and / or activation into stage i % NS (nothing when i >= nch;
+    groups past K are zero-filled by TMA). The stage's barrier expects all of the chunk's bytes (set with the weight,
+    or with the activation when WEIGHT is off)."""
     st = i % NS
     ok = i < nch
-    c = (i + start) % nch
+    c = c0 + (i + start) % nch
     if WEIGHT:
         mbarrier.expect(bars.index(st), GPS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes), pred=ok)
         for j in gl.static_range(GPS):
@@ -98,85 +101,154 @@ def _settled(t):
 
 
 @gluon.jit
-def _dot(x_smem, w_smem, i, over):
-    """Start the FP8 dot of buffer i asynchronously into the registers of `over` (retired, not added to)."""
-    return warpgroup_mma(x_smem.index(i), w_smem.index(i).permute((1, 0)), over, use_acc=False, is_async=True)
+def _dot(x_smem, w_smem, i, over, SWAP: gl.constexpr):
+    """Start the FP8 dot of buffer i asynchronously into the registers of `over` (retired, not added to): X W^T
+    (activation rows on the wgmma's M side), or with SWAP W X^T (weight rows on M, activation rows on N)."""
+    if SWAP:
+        t = warpgroup_mma(w_smem.index(i), x_smem.index(i).permute((1, 0)), over, use_acc=False, is_async=True)
+    else:
+        t = warpgroup_mma(x_smem.index(i), w_smem.index(i).permute((1, 0)), over, use_acc=False, is_async=True)
+    return t
 
 
 @gluon.jit
-def _add(acc, d, s_smem, g, srow: gl.constexpr):
-    """acc + group g's dot d times its scale row (kept before the next wgmma on d's registers: `_settled`)."""
-    return _settled(acc + d * s_smem.index(g).load(srow)[:, None])
+def _add(acc, d, s_smem, g, srow: gl.constexpr, SWAP: gl.constexpr):
+    """acc + group g's dot d times its scale row, one scale per activation row (kept before the next wgmma on d's
+    registers: `_settled`). srow: the layout of the activation-row axis of acc (SWAP: its columns)."""
+    if SWAP:
+        r = _settled(acc + d * s_smem.index(g).load(srow)[None, :])
+    else:
+        r = _settled(acc + d * s_smem.index(g).load(srow)[:, None])
+    return r
 
 
 @gluon.jit
-def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr, GPS: gl.constexpr):
+def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr, GPS: gl.constexpr,
+           SWAP: gl.constexpr):
     """One stage: its GPS dots (buffers b ... b + GPS - 1, groups g ... g + GPS - 1) all started, each over the
     registers of the accumulator d0..d3 retired in the previous stage, then retired in group order with
     wait(GPS - 1 - j) and added to acc times their scales. None stays in flight (ptxas would otherwise serialize
     every wgmma of the kernel: C7514)."""
-    t0 = _dot(x_smem, w_smem, b, d0)
-    t1 = _dot(x_smem, w_smem, b + 1, d1)
+    t0 = _dot(x_smem, w_smem, b, d0, SWAP)
+    t1 = _dot(x_smem, w_smem, b + 1, d1, SWAP)
     if GPS == 4:
-        t2 = _dot(x_smem, w_smem, b + 2, d2)
-        t3 = _dot(x_smem, w_smem, b + 3, d3)
+        t2 = _dot(x_smem, w_smem, b + 2, d2, SWAP)
+        t3 = _dot(x_smem, w_smem, b + 3, d3, SWAP)
     if GPS == 2:
         d0 = warpgroup_mma_wait(1, deps=(t0, ))
-        acc = _add(acc, d0, s_smem, g, srow)
+        acc = _add(acc, d0, s_smem, g, srow, SWAP)
         d1 = warpgroup_mma_wait(0, deps=(t1, ))
-        acc = _add(acc, d1, s_smem, g + 1, srow)
+        acc = _add(acc, d1, s_smem, g + 1, srow, SWAP)
     else:
         d0 = warpgroup_mma_wait(3, deps=(t0, ))
-        acc = _add(acc, d0, s_smem, g, srow)
+        acc = _add(acc, d0, s_smem, g, srow, SWAP)
         d1 = warpgroup_mma_wait(2, deps=(t1, ))
-        acc = _add(acc, d1, s_smem, g + 1, srow)
+        acc = _add(acc, d1, s_smem, g + 1, srow, SWAP)
         d2 = warpgroup_mma_wait(1, deps=(t2, ))
-        acc = _add(acc, d2, s_smem, g + 2, srow)
+        acc = _add(acc, d2, s_smem, g + 2, srow, SWAP)
         d3 = warpgroup_mma_wait(0, deps=(t3, ))
-        acc = _add(acc, d3, s_smem, g + 3, srow)
+        acc = _add(acc, d3, s_smem, g + 3, srow, SWAP)
     return acc, d0, d1, d2, d3
 
 
 @gluon.jit
 def _consume(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, ready, empty, nch, start, srow: gl.constexpr,
-             NS: gl.constexpr, GPS: gl.constexpr):
+             NS: gl.constexpr, GPS: gl.constexpr, SWAP: gl.constexpr):
     """Warp-specialized consumer (the default partition, one warpgroup): each stage's dots as it arrives, then the
     stage handed back to the producer through its `empty` barrier."""
     for i in range(0, nch):
         st = i % NS
         mbarrier.wait(ready.index(st), (i // NS) & 1)
         acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                     ((i + start) % nch) * GPS, srow, GPS)
+                                     ((i + start) % nch) * GPS, srow, GPS, SWAP)
         gl.thread_barrier()  # every consumer warp is past this stage's wgmmas
         mbarrier.arrive(empty.index(st))
     return (acc, )
 
 
 @gluon.jit
-def _produce(x_desc, w_desc, x_smem, w_smem, ready, empty, nch, start, NS: gl.constexpr, GPS: gl.constexpr):
+def _produce(x_desc, w_desc, x_smem, w_smem, ready, empty, nch, start, c0, NS: gl.constexpr, GPS: gl.constexpr):
     """Warp-specialized producer (one warp): stages NS, NS + 1, ... by TMA, each once the consumer has released
     the stage's previous chunk (the first NS were requested before the partitions forked)."""
     for i in range(NS, nch):
         st = i % NS
         mbarrier.wait(empty.index(st), ((i // NS) - 1) & 1)
-        _request(x_desc, w_desc, x_smem, w_smem, ready, i, start, nch, NS, GPS, True, True)
+        _request(x_desc, w_desc, x_smem, w_smem, ready, i, start, nch, c0, NS, GPS, True, True)
+
+
+@gluon.jit
+def _finish(acc, idx, mask, on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr, cnt_ptr, HAS_BIAS: gl.constexpr,
+            ROUND_BF16: gl.constexpr, SPLIT: gl.constexpr):
+    """Store the program's tile acc at out[idx] (+ bias, rounded to bf16 values when asked); with SPLIT, store it as
+    split pid_s's partial part[pid_s][idx] instead, and the last split of the tile to arrive at its counter
+    cnt_ptr[pid] sums all partials in split order from zero, adds the bias, rounds and stores: the fp32 operations of
+    `engine.kernels.gemm._last_split_reduce`, so the bits of the split-K kernel's fused reduce."""
+    if SPLIT:
+        mn = M.to(gl.int64) * N
+        gl.store(part_ptr + pid_s * mn + idx, acc, mask=mask)
+        gl.thread_barrier()  # every thread's partial store happens before the release below
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == gl.num_programs(1) - 1:
+            acc = gl.zeros_like(acc)
+            for s in range(gl.num_programs(1)):  # split order, as the split-K reduce
+                acc += gl.load(part_ptr + s * mn + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_out(acc, idx, mask, on, N, out_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+            gl.store(cnt_ptr + pid, 0)  # ready for the next call (kernels on a stream complete in order)
+    else:
+        _store_out(acc, idx, mask, on, N, out_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
+
+
+@gluon.jit
+def _store_out(acc, idx, mask, on, N, out_ptr, bias_ptr, HAS_BIAS: gl.constexpr, ROUND_BF16: gl.constexpr):
+    """out[idx] = acc (+ bias[on]), rounded to bf16 values when asked, cast to out's dtype."""
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + on, mask=on < N, other=0.0).to(gl.float32)
+    if ROUND_BF16:  # engine.kernels.quant._round_bf16: nearest bf16, ties to even, NaN kept
+        bits = acc.to(gl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        acc = gl.where(acc != acc, acc, r.to(gl.float32, bitcast=True))
+    gl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # M, N, K and the scale strides are not value-specialized: one compiled variant per tile / pipeline / epilogue.
-@gluon.jit(do_not_specialize=["M", "N", "K", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
-def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, N, K,
-                          stride_xsm, stride_xsg, stride_wsn, stride_wsg,
+@gluon.jit(do_not_specialize=["M", "N", "K", "groups_per_split", "stride_xsm", "stride_xsg", "stride_wsn",
+                              "stride_wsg"])
+def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K,
+                          groups_per_split, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                           NS: gl.constexpr, GPS: gl.constexpr, KB_PAD: gl.constexpr, HAS_BIAS: gl.constexpr,
                           ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False,
-                          WS: gl.constexpr = False):
-    """Grid (cdiv(N, BN),), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring."""
-    XR: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
+                          WS: gl.constexpr = False, SPLIT: gl.constexpr = False, SWAP: gl.constexpr = False,
+                          TIMES: gl.constexpr = False):
+    """Grid (cdiv(N, BN), K splits), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring.
+    Program (pid, pid_s) walks the 128-groups [pid_s * groups_per_split, + groups_per_split) of K (a multiple of
+    GPS; all of K with one split). TIMES (a probe build, benchmarks/probe_kernels.py): t[pid * splits + pid_s] =
+    (%globaltimer at its start, when its first stage has arrived, after its loop, at its end; its SM)."""
+    if SWAP:  # weight rows on the wgmma's M side, activation rows on its N side
+        XR: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        gl.static_assert(BN == 64, "SWAP: 64 weight rows (the wgmma M of one warpgroup)")
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, XR, 32])
+        srow: gl.constexpr = gl.SliceLayout(0, mma)
+        acc_shape: gl.constexpr = (BN, XR)
+    else:
+        XR: gl.constexpr = x_desc.block_type.shape[0]
+        BN: gl.constexpr = w_desc.block_type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BN, 32])
+        srow: gl.constexpr = gl.SliceLayout(1, mma)
+        acc_shape: gl.constexpr = (XR, BN)
     gl.static_assert(GPS == 2 or GPS == 4, "GPS: 2 or 4 groups per stage")
     pid = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    if TIMES:
+        t_row = t_ptr + (pid * gl.num_programs(1) + pid_s) * 5
+        gl.store(t_row, _now())
     n0 = pid * BN
-    kb = gl.cdiv(K, 128)
-    nch = gl.cdiv(kb, GPS)
+    g0 = pid_s * groups_per_split
+    ng = gl.minimum(groups_per_split, gl.cdiv(K, 128) - g0)  # this split's groups
+    nch = gl.cdiv(ng, GPS)
+    c0 = g0 // GPS
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [NS * GPS, XR, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [NS * GPS, BN, 128], w_desc.layout)
@@ -185,64 +257,69 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     for i in gl.static_range(NS):
         mbarrier.init(bars.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    # ROTATE: program p walks the chunks from p % nch on (wrapping), so that the programs do not all read the same
+    # ROTATE: program p walks its chunks from p % nch on (wrapping), so that the programs do not all read the same
     # activation tile at once (a different, still fixed, summation order per program).
     start = pid % nch if ROTATE else 0
     for i in gl.static_range(NS):  # weights only before the PDL wait
-        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, NS, GPS, True, False)
+        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS, GPS, True, False)
     if PDL:
         _pdl_enter()
     for i in gl.static_range(NS):
-        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, NS, GPS, False, True)
+        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS, GPS, False, True)
 
-    # The scale table s[g, m] = x_scale[m, g] * w_scale[n0 // 128, g] (0 outside), in shared memory.
+    # The scale table s[j, m] = x_scale[m, g0 + j] * w_scale[n0 // 128, g0 + j] (0 past the split), in shared memory.
     sl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
     gi = gl.arange(0, KB_PAD, layout=gl.SliceLayout(1, sl))
     mi = gl.arange(0, XR, layout=gl.SliceLayout(0, sl))
-    g_ok = gi < kb
-    xs = gl.load(xs_ptr + mi[None, :] * stride_xsm + gi[:, None] * stride_xsg,
+    g_ok = gi < ng
+    xs = gl.load(xs_ptr + mi[None, :] * stride_xsm + (g0 + gi)[:, None] * stride_xsg,
                  mask=g_ok[:, None] & (mi < M)[None, :], other=0.0)
-    ws = gl.load(ws_ptr + (n0 // 128) * stride_wsn + gi * stride_wsg, mask=g_ok, other=0.0)
+    ws = gl.load(ws_ptr + (n0 // 128) * stride_wsn + (g0 + gi) * stride_wsg, mask=g_ok, other=0.0)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     s_smem = gl.allocate_shared_memory(gl.float32, [KB_PAD, XR], flat, xs * ws[:, None])._reinterpret(
-        gl.float32, [KB_PAD, XR], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # row g: s_smem.index(g)
+        gl.float32, [KB_PAD, XR], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # row j: s_smem.index(j)
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-    srow: gl.constexpr = gl.SliceLayout(1, mma)
-    acc = gl.zeros((XR, BN), gl.float32, mma)
-    d0 = gl.zeros((XR, BN), gl.float32, mma)
-    d1 = gl.zeros((XR, BN), gl.float32, mma)
-    d2 = gl.zeros((XR, BN), gl.float32, mma)
-    d3 = gl.zeros((XR, BN), gl.float32, mma)
+    acc = gl.zeros(acc_shape, gl.float32, mma)
+    d0 = gl.zeros(acc_shape, gl.float32, mma)
+    d1 = gl.zeros(acc_shape, gl.float32, mma)
+    d2 = gl.zeros(acc_shape, gl.float32, mma)
+    d3 = gl.zeros(acc_shape, gl.float32, mma)
     gl.thread_barrier()  # the scale table is written
+    if TIMES:
+        mbarrier.wait(bars.index(0), 0)
+        gl.store(t_row + 1, _now())
 
     if WS:  # a producer warp refills the ring while the warpgroup computes
         acc, = gl.warp_specialize([
-            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS)),
-            (_produce, (x_desc, w_desc, x_smem, w_smem, bars, empty, nch, start, NS, GPS)),
+            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS, SWAP)),
+            (_produce, (x_desc, w_desc, x_smem, w_smem, bars, empty, nch, start, c0, NS, GPS)),
         ], [1], [40])
     else:  # one warpgroup computes each stage, then refills it
         for i in range(0, nch):
             st = i % NS
             mbarrier.wait(bars.index(st), (i // NS) & 1)
             acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                         ((i + start) % nch) * GPS, srow, GPS)
+                                         ((i + start) % nch) * GPS, srow, GPS, SWAP)
             gl.thread_barrier()  # every warp is past this stage's wgmmas before its stage is refilled
-            _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, NS, GPS, True, True)
+            _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, c0, NS, GPS, True, True)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bars.index(i))
         mbarrier.invalidate(empty.index(i))
 
-    rows = gl.arange(0, XR, layout=srow)
-    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-    if HAS_BIAS:
-        acc = acc + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-    if ROUND_BF16:  # engine.kernels.quant._round_bf16: nearest bf16, ties to even, NaN kept
-        bits = acc.to(gl.int32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = gl.where(acc != acc, acc, r.to(gl.float32, bitcast=True))
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SWAP:  # acc (BN, XR): rows are weight rows n, columns activation rows m
+        om = gl.arange(0, XR, layout=srow)[None, :]
+        on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))[:, None]
+    else:  # acc (XR, BN)
+        om = gl.arange(0, XR, layout=srow)[:, None]
+        on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))[None, :]
+    if TIMES:
+        gl.store(t_row + 2, _now())
+    _finish(acc, om.to(gl.int64) * N + on, (om < M) & (on < N), on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr,
+            cnt_ptr, HAS_BIAS, ROUND_BF16, SPLIT)
+    if TIMES:
+        gl.store(t_row + 3, _now())
+        gl.store(t_row + 4, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                                      is_pure=False, pack=1).to(gl.int64))
 
 
 # ============================================================================ host side
@@ -262,18 +339,52 @@ def default_stages(block_n: int, gps: int = GPS) -> int:
     return (DEFAULT_STAGES if gps == 2 else DEFAULT_STAGES_GPS4).get(block_n, 3)
 
 
+# Pipeline stages of the swapped kernel (activation rows on the wgmma's N side) when the call does not say: as many as
+# keep a program's shared memory (tile ring and scale table) within SWAP_SMEM_BYTES, so that two programs fit on one
+# SM (228 KB, 1 KB reserved per program: the next program, or under PDL the next kernel's, starts while one streams),
+# and no more than the split has stages of groups. H200, CUDA graph over weight copies (benchmarks/results/
+# h200-2026-11-30-session19/probe_wgmma_sweep.txt): programs of 91-112 KB were the fastest or within 2% of it on
+# 28672x4096, 4096x14336, 7168x16384 and 6144x4096 at M = 4 / 8; at M = 16 (16-row activation tiles) the 122 KB
+# programs of 6 stages lost 10-20% where a program shares its SM (28672x4096: 33.5 vs 29.3 us with 5 stages), and won
+# only where every program has an SM to itself.
+SWAP_SMEM_BYTES = 112 * 1024
+
+
+def swap_stages(m: int, kb: int, splits: int, gps: int = GPS) -> int:
+    """Default pipeline stages of the swapped kernel for M rows and kb 128-groups in `splits` K splits."""
+    per = split_plan(kb, splits, gps)[1]
+    xr = x_rows(m, True)
+    fit = max((s for s in range(2, 64) if smem_bytes(64, s, per, gps, xr) <= SWAP_SMEM_BYTES), default=2)
+    return max(2, min(fit, -(-per // gps)))
+
+
 def _groups_pad(kb: int, gps: int = GPS) -> int:
     """Rows of the scale table: the group count rounded up to whole stages, then to a power of two."""
     n = -(-kb // gps) * gps
     return 1 << (n - 1).bit_length()
 
 
-def smem_bytes(block_n: int, stages: int, kb: int, gps: int = GPS) -> int:
-    """Shared memory of one program: the tile ring, the scale table, the barriers."""
-    return stages * gps * (XROWS + block_n) * 128 + _groups_pad(kb, gps) * XROWS * 4 + stages * 16
+def x_rows(m: int, swap: bool = False) -> int:
+    """Activation rows of one tile: the wgmma M (64), or with swap the wgmma N: M rounded up to a power of two, at
+    least 8."""
+    return max(8, 1 << (m - 1).bit_length()) if swap else XROWS
 
 
-def plan_error(m: int, n: int, k: int, block_n: int, stages: int, gps: int = GPS) -> Optional[str]:
+def split_plan(kb: int, splits: int, gps: int = GPS) -> tuple[int, int]:
+    """(splits, 128-groups per split) for `splits` K splits asked of kb groups: the groups per split rounded up to
+    whole stages (so a split's chunks never reach into the next split's), then the split count that covers kb."""
+    per = -(-kb // max(1, min(splits, kb)))
+    per = -(-per // gps) * gps
+    return -(-kb // per), per
+
+
+def smem_bytes(block_n: int, stages: int, kb: int, gps: int = GPS, xrows: int = XROWS) -> int:
+    """Shared memory of one program walking kb 128-groups: the tile ring, the scale table, the barriers."""
+    return stages * gps * (xrows + block_n) * 128 + _groups_pad(kb, gps) * xrows * 4 + stages * 16
+
+
+def plan_error(m: int, n: int, k: int, block_n: int, stages: int, gps: int = GPS, splits: int = 1,
+               swap: bool = False) -> Optional[str]:
     """Why the kernel cannot run this shape / config (None: it can). Device and layout checks are `usable`'s."""
     if not 1 <= m <= XROWS:
         return f"M={m}: 1 <= M <= {XROWS} (the activation rows of one wgmma tile)"
@@ -283,12 +394,18 @@ def plan_error(m: int, n: int, k: int, block_n: int, stages: int, gps: int = GPS
         return f"K={k}: a positive multiple of 16 (TMA rows are 16-byte aligned)"
     if block_n not in BLOCK_NS:
         return f"block_n={block_n}: one of {BLOCK_NS}"
+    if swap and block_n != 64:
+        return f"block_n={block_n}: swap puts the weight rows on the wgmma M side, which is 64"
     if gps not in (2, 4):
         return f"gps={gps}: 2 or 4 groups per stage"
-    if -(-k // 128) > MAX_GROUPS:
-        return f"K={k}: at most {MAX_GROUPS} 128-groups (the shared-memory scale table)"
-    if stages < 2 or smem_bytes(block_n, stages, -(-k // 128), gps) > SMEM_BYTES:
-        return (f"num_stages={stages}: 2 <= stages and {smem_bytes(block_n, max(stages, 2), -(-k // 128), gps)} "
+    if splits < 1:
+        return f"splits={splits}: at least 1"
+    per = split_plan(-(-k // 128), splits, gps)[1]
+    if per > MAX_GROUPS:
+        return f"K={k}: at most {MAX_GROUPS} 128-groups per split (the shared-memory scale table)"
+    xr = x_rows(m, swap)
+    if stages < 2 or smem_bytes(block_n, stages, per, gps, xr) > SMEM_BYTES:
+        return (f"num_stages={stages}: 2 <= stages and {smem_bytes(block_n, max(stages, 2), per, gps, xr)} "
                 f"bytes of shared memory > {SMEM_BYTES}")
     return None
 
@@ -298,7 +415,8 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def usable(x: torch.Tensor, w: torch.Tensor, block_n: int, stages: int, gps: int = GPS) -> bool:
+def usable(x: torch.Tensor, w: torch.Tensor, block_n: int, stages: int, gps: int = GPS, splits: int = 1,
+           swap: bool = False) -> bool:
     """Whether `launch` runs x (M, K) @ w (N, K)^T here: CUDA compute capability 9.0 exactly (wgmma), E4M3
     operands with TMA-able rows, and `plan_error` None."""
     if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.float8_e4m3fn):
@@ -307,7 +425,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, block_n: int, stages: int, gps: int
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return False
     return _aligned(x) and _aligned(w) and plan_error(x.shape[0], w.shape[0], x.shape[1], block_n, stages,
-                                                       gps) is None
+                                                       gps, splits, swap) is None
 
 
 def _layout(rows: int):
@@ -317,19 +435,29 @@ def _layout(rows: int):
 
 def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor, ws: torch.Tensor,
            ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor, round_bf16: bool,
-           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False) -> None:
+           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False,
+           splits: int = 1, swap: bool = False, times: Optional[torch.Tensor] = None) -> None:
     """out (M, N) = x @ w^T (+ bias; rounded to bf16 values when round_bf16) with `_fp8_rows_gemm_kernel`; the
     caller has checked `usable`. Scales as `engine.kernels.gemm._launch_fp8` (strides of x_scale (M, Kb) and
-    w_scale (Nb, Kb))."""
+    w_scale (Nb, Kb)). splits > 1: K split as `split_plan` says, the splits' partials summed in split order by the
+    last split of each tile (the split-K kernel's fused reduce: calls must run in stream order). times: an int64
+    (programs, 5) buffer for the TIMES probe build."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from engine.kernels.gemm import _tile_counters
     from engine.kernels.pdl import launch_opts
 
     m, k = x.shape
     n = w.shape[0]
-    x_desc = TensorDescriptor.from_tensor(x, [XROWS, 128], _layout(XROWS))
+    xr = x_rows(m, swap)
+    n_splits, per = split_plan(-(-k // 128), splits, gps)
+    grid = (-(-n // block_n), n_splits)
+    part = torch.empty((n_splits, m, n), device=x.device, dtype=torch.float32) if n_splits > 1 else out
+    cnt = _tile_counters(x.device, grid[0]) if n_splits > 1 else out
+    x_desc = TensorDescriptor.from_tensor(x, [xr, 128], _layout(xr))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, 128], _layout(block_n))
-    _fp8_rows_gemm_kernel[(-(-n // block_n),)](
-        x_desc, w_desc, xs, ws, out, bias if bias is not None else out, m, n, k, *xs_strides, *ws_strides,
-        NS=stages, GPS=gps, KB_PAD=_groups_pad(-(-k // 128), gps), ROTATE=rotate, WS=warp_spec,
-        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
+    _fp8_rows_gemm_kernel[grid](
+        x_desc, w_desc, xs, ws, out, bias if bias is not None else out, part, cnt, times if times is not None else cnt,
+        m, n, k, per, *xs_strides, *ws_strides, NS=stages, GPS=gps, KB_PAD=_groups_pad(per, gps), ROTATE=rotate,
+        WS=warp_spec, SPLIT=n_splits > 1, SWAP=swap, TIMES=times is not None, HAS_BIAS=bias is not None,
+        ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
