@@ -19,6 +19,35 @@ pytestmark = [
 ]
 
 
+def _captured(fn):
+    """(a CUDA graph of fn(), what fn returned while captured), fn warmed up on a side stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _graph_replays(run, x_static, eager, x_new, fresh):
+    """A CUDA graph of run() (reading x_static) replays eager's bits, twice (its output zeroed before each), and after
+    x_new is written into x_static, fresh()'s bits; returns the graph's output."""
+    graph, out = _captured(run)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int32), eager.view(torch.int32))
+    x_static.copy_(x_new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int32), fresh().view(torch.int32))
+    return out
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """The GEMM module, with every launch of the whole-K kernel counted in spy.calls."""
@@ -114,23 +143,10 @@ def test_whole_k_round_bf16_and_graph(spy):
                               round_bf16=True)
     assert torch.equal(rounded, eager.to(torch.bfloat16).float())
     x_static = xd.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        spy.fp8_block_gemm_triton(x_static, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = spy.fp8_block_gemm_triton(x_static, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.view(torch.int32), eager.view(torch.int32))
     x2, _, _, _ = _block_operands(m, n, k, seed=22)
-    x_static.copy_(x2)
-    graph.replay()
-    torch.cuda.synchronize()
-    fresh = spy.fp8_block_gemm_triton(x2, xs, wd, ws, out_dtype=torch.float32, whole_k=True)
-    assert torch.equal(out.view(torch.int32), fresh.view(torch.int32))
+    out = _graph_replays(lambda: spy.fp8_block_gemm_triton(x_static, xs, wd, ws, out_dtype=torch.float32,
+                                                           whole_k=True), x_static, eager, x2,
+                         lambda: spy.fp8_block_gemm_triton(x2, xs, wd, ws, out_dtype=torch.float32, whole_k=True))
     assert not torch.equal(out, eager)
 
 
@@ -236,24 +252,9 @@ def test_split_in_a_cuda_graph(spy):
     eager = _wg(xd, xs, wd, ws, splits=4, swap=True)
     x_static = xd.clone()
     out = torch.empty_like(eager)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _wg(x_static, xs, wd, ws, splits=4, swap=True, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _wg(x_static, xs, wd, ws, splits=4, swap=True, out=out)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int32), eager.view(torch.int32))
     x2, _, _, _ = _block_operands(m, n, k, seed=32)
-    x_static.copy_(x2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.view(torch.int32), _wg(x2, xs, wd, ws, splits=4, swap=True).view(torch.int32))
+    _graph_replays(lambda: _wg(x_static, xs, wd, ws, splits=4, swap=True, out=out), x_static, eager, x2,
+                   lambda: _wg(x2, xs, wd, ws, splits=4, swap=True))
 
 
 def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
