@@ -149,10 +149,11 @@ def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
     assert G._heuristic_whole_k(48, 4096, cuda) == {}
 
 
+@pytest.mark.parametrize("opt_out", [{}, {"sliced": False}, {"wgmma": False}, {"sliced": False, "wgmma": False}])
 @pytest.mark.parametrize("usable", [True, False])
-def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable):
+def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
     """Without knobs or entry, a 48-row call runs the heuristic's whole-K kernel; where it cannot run, the split rule
-    (not one split, as for an explicit whole_k)."""
+    (not one split, as for an explicit whole_k). Opting out of the sliced or wgmma kernels changes neither."""
     monkeypatch.setattr(G, "_heuristic_whole_k", lambda m, n, d: dict(whole_k=4, block_n=64) if m > 32 else {})
     monkeypatch.setattr(GW, "usable", lambda *a: usable)
     monkeypatch.setattr(G, "sm_count", lambda device: 132)
@@ -162,7 +163,7 @@ def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable):
     monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
     monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands(m=48, n=512, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
     if usable:
         assert launched == [(64, GW.default_stages(64, 4), 4)] and not split.calls
     else:
