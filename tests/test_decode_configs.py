@@ -31,7 +31,7 @@ def test_every_table_entry_is_runnable(key):
         stages = knobs.get("num_stages") or GW.default_stages(bn, gps)
         assert GW.plan_error(bm, n, k, bn, stages, gps) is None
     elif knobs.get("wgmma"):  # the swapped wgmma kernel at the smallest and largest M of the tile
-        gps = knobs["wgmma"] if knobs["wgmma"] in (2, 4) and knobs["wgmma"] is not True else GW.GPS
+        gps = knobs["wgmma"] if knobs["wgmma"] in (2, 4) else GW.GPS
         assert bn == 64 and GW.split_plan(-(-k // 128), knobs["split_k"], gps)[0] == knobs["split_k"]
         for m in (2, bm):
             stages = knobs.get("num_stages") or GW.swap_stages(m, -(-k // 128), knobs["split_k"], gps)

@@ -908,12 +908,17 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _opt_outs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The knobs that only keep a call off a kernel (sliced=False, wgmma=False): they leave entries and heuristics
+    in force."""
+    return {key: v for key, v in knobs.items() if key in ("sliced", "wgmma") and v is False}
+
+
 def _decode_knobs(m: int, n: int, k: int, device: torch.device, knobs: dict[str, Any]) -> dict[str, Any]:
     """Explicit knobs, else a `DECODE_CONFIGS` entry for (device, N, K, BM) (M <= 64 only; with sliced=False and / or
     wgmma=False when those are the only knobs given), else {}."""
     given = {key: v for key, v in knobs.items() if v is not None}
-    opt_outs = {key: v for key, v in given.items() if key in ("sliced", "wgmma") and v is False}
-    if m > 64 or given != opt_outs:
+    if m > 64 or given != _opt_outs(given):
         return given
     entry = DECODE_CONFIGS.get((_device_name(device.type, device.index), n, k, _tiles(m)[0]), {})
     return dict(entry, **given)  # sliced / wgmma=False alone keep the entry: its split-K call, not those kernels
@@ -1127,7 +1132,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                      **GEMV_CONFIGS.get((_device_name(x.device.type, x.device.index), n, k), {}))
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
-    opt_outs = {key: v for key, v in cfg.items() if key in ("sliced", "wgmma") and v is False}
+    opt_outs = _opt_outs(cfg)
     auto_whole_k = {} if cfg != opt_outs else _heuristic_whole_k(m, n, x.device)
     cfg = dict(cfg, **auto_whole_k)
     if cfg.get("whole_k"):
@@ -1152,7 +1157,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if cfg.get("wgmma"):  # the rule's or the given split count; where it cannot run, the split-K kernel below
         if bn != 64:
             raise _bad(f"wgmma with block_n={bn}: the wgmma kernel's weight tile is 64 rows (its wgmma M)")
-        gps = cfg["wgmma"] if cfg["wgmma"] in (2, 4) and cfg["wgmma"] is not True else gw.GPS
+        gps = cfg["wgmma"] if cfg["wgmma"] in (2, 4) else gw.GPS  # (True == 1: the default)
         if _launch_wgmma(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, gps, splits,
                          cfg.get("num_stages")):
             return out
