@@ -46,9 +46,9 @@
   kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
   production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
   program vs aligned (gemm_wholek_ws: also warp-specialized, a producer warp for the TMA loads).
-* gemm_wgsplit / wgmma_rule / wgmma_sweep / wgmma_timeline (session 19): the Gluon kernel with K splits and the
-  activation on the wgmma's N side (`launch(splits=S, swap=True)`): bits vs split-K, one call and CUDA graph; an auto
-  rule at production's split counts (dropped); the sweep behind the BM-16 `wgmma` entries; per-program timelines.
+* gemm_wgsplit / wgmma_sweep / wgmma_timeline (session 19): the Gluon kernel with K splits and the activation on
+  the wgmma's N side (`launch(splits=S, swap=True)`): bits vs split-K, one call and CUDA graph; the sweep behind the
+  BM-16 `wgmma` entries; per-program timelines.
 """
 
 from __future__ import annotations
@@ -2456,81 +2456,43 @@ def probe_gemm_wgsplit(copy_tbs: float, shapes=SLICED_SHAPES[:1], ms=(4, 16)) ->
               f"comparable configs; max err {max((r[2] for r in res), default=0):.1e}", flush=True)
 
 
-def probe_wgmma_rule(copy_tbs: float, shapes=LLAMA_DECODE_SHAPES + ((7168, 16384),), ms=(2, 4, 8, 16),
-                     pipes=((2, 3), (2, 4), (2, 6), (4, 2), (4, 3)), splits=(1, 2, 4, 8), top: int = 0) -> None:
-    """Session 19: the decode dispatch with and without `WGMMA_AUTO` (split-K calls as the Gluon wgmma kernel with
-    the same K partition), per call in a CUDA graph over weight copies (bf16 out): production without it, the rule
-    with each (groups per stage, stages) in pipes (bits vs production), and the explicit knob at each split count in
-    splits with the rule's pipeline (is the split rule's count the wgmma kernel's best?). top > 0: instead, every
-    (split, groups per stage, stages) of the explicit knob timed twice, the top fastest printed with their shared
-    memory per program and program count."""
+def probe_wgmma_sweep(copy_tbs: float, shapes=((28672, 4096), (4096, 14336), (7168, 16384), (6144, 4096)),
+                      ms=(4, 8, 16), pipes=((2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (4, 2), (4, 3)),
+                      splits=(1, 2, 4), top: int = 8) -> None:
+    """Session 19: the swapped Gluon wgmma kernel (`wgmma` knob) against the production dispatch, per call in a CUDA
+    graph over weight copies (bf16 out): every (split, groups per stage, stages) timed twice, the top fastest printed
+    with their shared memory per program and program count -- the data behind the H200's BM-16 `wgmma` entries and
+    `gemm_wgmma.swap_stages`. (Its first form also timed an auto rule sending every split-K call's own partition
+    through the kernel, probe_wgmma_rule.txt; the rule was dropped, and that mode with it.)"""
     from engine.kernels import gemm as G
     from engine.kernels import gemm_wgmma as GW
 
-    bf, f32 = torch.bfloat16, torch.float32
-    saved = G.WGMMA_AUTO, G.WGMMA_GPS, G.WGMMA_STAGES
-    print("\n## WGMMA_AUTO: decode GEMMs per call in a CUDA graph over weight copies (us; TB/s of weight bytes)")
-    try:
-        for n, k in shapes:
-            wts = _fp8_weights(n, k)
-            wbytes = n * k + wts[0][1].numel() * 4
-            for m in ms:
-                xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
-                G.WGMMA_AUTO = False
-                base = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=f32)
-                prod = lambda: graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
-                t0 = prod()
-                if top:
-                    t0b = prod()
-                    res = []
-                    for sp in splits:
-                        for gps, stages in pipes:
-                            if GW.plan_error(m, n, k, 64, stages, gps, sp, True):
-                                continue
-                            s_eff, per = GW.split_plan(-(-k // 128), sp, gps)
-                            cfg = dict(wgmma=gps, split_k=sp, block_n=64, num_stages=stages)
-                            run = lambda: graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf,
-                                                                                        **cfg) for w in wts])
-                            ta, tb = run(), run()
-                            smem = GW.smem_bytes(64, stages, per, gps, GW.x_rows(m, True))
-                            res.append((max(ta, tb), ta, tb, s_eff, gps, stages, smem, -(-n // 64) * s_eff))
-                    res.sort()
-                    cells = " ".join(f"S{s_}g{g}n{st}={a:6.2f}/{b:6.2f}({sm // 1024}K,{p}p)"
-                                     for _, a, b, s_, g, st, sm, p in res[:top])
-                    print(f"  {n:5d}x{k:5d} M={m:2d}: production {t0:6.2f}/{t0b:6.2f} us "
-                          f"({wbytes / t0 / 1e6:4.2f} TB/s) | {cells}", flush=True)
-                    continue
-                cells = []
-                G.WGMMA_AUTO = True
+    bf = torch.bfloat16
+    print("\n## wgmma sweep: decode GEMMs per call in a CUDA graph over weight copies (us; TB/s of weight bytes)")
+    for n, k in shapes:
+        wts = _fp8_weights(n, k)
+        wbytes = n * k + wts[0][1].numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            prod = lambda: graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+            t0, t0b = prod(), prod()
+            res = []
+            for sp in splits:
                 for gps, stages in pipes:
-                    G.WGMMA_GPS, G.WGMMA_STAGES = gps, stages
-                    launched = []
-                    real = G.gw.launch
-                    G.gw.launch = lambda *a, **kw: (launched.append(kw.get("splits")), real(*a, **kw))[1]
-                    try:
-                        got = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=f32)
-                    finally:
-                        G.gw.launch = real
-                    if not launched:
-                        cells.append(f"g{gps}s{stages}=off")
+                    if GW.plan_error(m, n, k, 64, stages, gps, sp, True):
                         continue
-                    same = torch.equal(got.view(torch.int32), base.view(torch.int32))
-                    t = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
-                    cells.append(f"g{gps}s{stages}={t:6.2f}{'' if same else '(BITS DIFFER)'} [S{launched[0]}]")
-                G.WGMMA_GPS, G.WGMMA_STAGES = saved[1:]
-                for sp in splits:
-                    cfg = dict(wgmma=True, split_k=sp, block_n=64)
-                    try:
-                        t = graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
-                                      for w in wts])
-                    except Exception as exc:  # noqa: BLE001 -- a probe: report and go on
-                        cells.append(f"S{sp}=FAILED {type(exc).__name__}")
-                        continue
-                    cells.append(f"S{sp}={t:6.2f}")
-                print(f"  {n:5d}x{k:5d} M={m:2d}: production {t0:6.2f} us ({wbytes / t0 / 1e6:4.2f} TB/s) | "
-                      + " ".join(cells), flush=True)
-    finally:
-        G.WGMMA_AUTO, G.WGMMA_GPS, G.WGMMA_STAGES = saved
+                    s_eff, per = GW.split_plan(-(-k // 128), sp, gps)
+                    cfg = dict(wgmma=gps, split_k=sp, block_n=64, num_stages=stages)
+                    run = lambda: graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg)
+                                            for w in wts])
+                    ta, tb = run(), run()
+                    smem = GW.smem_bytes(64, stages, per, gps, GW.x_rows(m, True))
+                    res.append((max(ta, tb), ta, tb, s_eff, gps, stages, smem, -(-n // 64) * s_eff))
+            res.sort()
+            cells = " ".join(f"S{s_}g{g}n{st}={a:6.2f}/{b:6.2f}({sm // 1024}K,{p}p)"
+                             for _, a, b, s_, g, st, sm, p in res[:top])
+            print(f"  {n:5d}x{k:5d} M={m:2d}: production {t0:6.2f}/{t0b:6.2f} us ({wbytes / t0 / 1e6:4.2f} TB/s) | "
+                  f"{cells}", flush=True)
 
 
 def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbytes: int) -> None:
@@ -2833,12 +2795,8 @@ def main() -> int:
               "mx_split64": lambda c: probe_mx_split(c, ms=(48, 64)),
               "mx_split_check": lambda c: probe_mx_split(c, ms=(4, 16, 32), shapes=MX_SPLIT_CHECK),
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek, "gemm_sliced": probe_gemm_sliced,
-              "gemm_wgsplit": probe_gemm_wgsplit, "wgmma_rule": probe_wgmma_rule,
-              "wgmma_timeline": probe_wgmma_timeline,
-              "wgmma_sweep": lambda c: probe_wgmma_rule(c, shapes=((28672, 4096), (4096, 14336), (7168, 16384),
-                                                                   (6144, 4096)), ms=(4, 8, 16),
-                                                        pipes=((2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (4, 2), (4, 3)),
-                                                        splits=(1, 2, 4), top=8),
+              "gemm_wgsplit": probe_gemm_wgsplit,
+              "wgmma_timeline": probe_wgmma_timeline, "wgmma_sweep": probe_wgmma_sweep,
               "gemm_wgsplit_all": lambda c: probe_gemm_wgsplit(c, shapes=SLICED_SHAPES[:3]),
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

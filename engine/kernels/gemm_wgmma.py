@@ -223,17 +223,15 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     Program (pid, pid_s) walks the 128-groups [pid_s * groups_per_split, + groups_per_split) of K (a multiple of
     GPS; all of K with one split). TIMES (a probe build, benchmarks/probe_kernels.py): t[pid * splits + pid_s] =
     (%globaltimer at its start, when its first stage has arrived, after its loop, at its end; its SM)."""
+    XR: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     if SWAP:  # weight rows on the wgmma's M side, activation rows on its N side
-        XR: gl.constexpr = x_desc.block_type.shape[0]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
         gl.static_assert(BN == 64, "SWAP: 64 weight rows (the wgmma M of one warpgroup)")
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, XR, 32])
         srow: gl.constexpr = gl.SliceLayout(0, mma)
         acc_shape: gl.constexpr = (BN, XR)
     else:
-        XR: gl.constexpr = x_desc.block_type.shape[0]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BN, 32])
         srow: gl.constexpr = gl.SliceLayout(1, mma)
