@@ -13,6 +13,8 @@ Presets:
                   the sliced kernel (`SLICED_AUTO` off; the same bits): session 18's A/B
   sliced-s18      the H200's BM-16 DECODE_CONFIGS entries of session 18 (split-K / sliced kernels) for the four shapes
                   session 19 moved to the Gluon wgmma kernel: session 19's A/B
+  s19             session 19's kernels: the fused reduce loading one partial per round trip (REDUCE_BURST 1) and the
+                  split-K BM-32 DECODE_CONFIGS entries (no 7168x16384 one): session 20's A/B
 """
 
 from __future__ import annotations
@@ -51,8 +53,20 @@ def _sliced_s18() -> None:
     })
 
 
+def _s19() -> None:
+    gemm.REDUCE_BURST = 1
+    old = dict(fused_reduce=True, block_n=64)
+    gemm.DECODE_CONFIGS.pop(("NVIDIA H200", 7168, 16384, 32), None)
+    gemm.DECODE_CONFIGS.update({
+        ("NVIDIA H200", 28672, 4096, 32): dict(old, split_k=1, num_warps=4, num_stages=3),
+        ("NVIDIA H200", 6144, 4096, 32): dict(old, split_k=4, num_warps=8, num_stages=3),
+        ("NVIDIA H200", 4096, 4096, 32): dict(old, split_k=2, num_warps=8, num_stages=4),
+        ("NVIDIA H200", 4096, 14336, 32): dict(old, split_k=4, block_n=128, num_warps=8, num_stages=4),
+    })
+
+
 PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17,
-           "sliced-s18": _sliced_s18}
+           "sliced-s18": _sliced_s18, "s19": _s19}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:

@@ -49,6 +49,9 @@
 * gemm_wgsplit / wgmma_sweep / wgmma_timeline (session 19): the Gluon kernel with K splits and the activation on
   the wgmma's N side (`launch(splits=S, swap=True)`): bits vs split-K, one call and CUDA graph; the sweep behind the
   BM-16 `wgmma` entries; per-program timelines.
+* reduce_burst / wgmma_sweep32 (session 20): the fused split-K reduce loading four partials per L2 round trip
+  (`gemm.REDUCE_BURST` 4 vs 1) on the production dispatch, one call and CUDA graph, bits compared; the wgmma sweep
+  at BM 32 (M = 24 / 32).
 """
 
 from __future__ import annotations
@@ -2495,6 +2498,41 @@ def probe_wgmma_sweep(copy_tbs: float, shapes=((28672, 4096), (4096, 14336), (71
                   f"{cells}", flush=True)
 
 
+def probe_reduce_burst(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (7168, 16384), (6144, 4096),
+                                                (4096, 4096)), ms=(4, 16, 32)) -> None:
+    """Session 20: the fused split-K reduce's partial loads, four per L2 round trip (`gemm.REDUCE_BURST` = 4) against
+    one per loop step (1: sessions 5-19), on the production dispatch (entries included; bf16 out): one call (the
+    run's --flush) and per call in a CUDA graph over weight copies, the two alternated twice (1, 4, 4, 1), and their
+    outputs' bits compared."""
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    print(f"\n## fused reduce: 4 vs 1 partials per round trip, production dispatch (us; flush {FLUSH}; A B B A)")
+    for n, k in shapes:
+        wts = _fp8_weights(n, k)
+        wbytes = n * k + wts[0][1].numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            times = {1: [], 4: []}
+            outs = {}
+            for burst in (1, 4, 4, 1):
+                G.REDUCE_BURST = burst
+                outs[burst] = G.fp8_block_linear(xd, xs, *wts[0], out_dtype=bf)
+                one = time_us(lambda: G.fp8_block_linear(xd, xs, *wts[0], out_dtype=bf))
+                gr = graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+                times[burst].append((one, gr))
+            G.REDUCE_BURST = 4
+            same = torch.equal(outs[1].view(torch.int16), outs[4].view(torch.int16))
+            cells = []
+            for burst in (1, 4):
+                ones = [t[0] for t in times[burst]]
+                grs = [t[1] for t in times[burst]]
+                cells.append(f"burst {burst}: one call {ones[0]:6.2f}/{ones[1]:6.2f} us "
+                             f"({wbytes / min(ones) / 1e6:4.2f} TB/s), graph {grs[0]:6.2f}/{grs[1]:6.2f} us "
+                             f"({wbytes / min(grs) / 1e6:4.2f} TB/s)")
+            print(f"  {n:5d}x{k:5d} M={m:2d}: " + " | ".join(cells) + f" | same bits {same}", flush=True)
+
+
 def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbytes: int) -> None:
     """One split-rule sweep point: the heuristic's split count and time, the best variant, every variant's time (the
     row format benchmarks/split_rule_eval.py reads)."""
@@ -2797,6 +2835,9 @@ def main() -> int:
               "split_ab": probe_split_ab, "gemm_wholek": probe_gemm_wholek, "gemm_sliced": probe_gemm_sliced,
               "gemm_wgsplit": probe_gemm_wgsplit,
               "wgmma_timeline": probe_wgmma_timeline, "wgmma_sweep": probe_wgmma_sweep,
+              "wgmma_sweep32": lambda c: probe_wgmma_sweep(c, shapes=((28672, 4096), (4096, 14336), (7168, 16384),
+                                                                      (6144, 4096), (4096, 4096)), ms=(24, 32)),
+              "reduce_burst": probe_reduce_burst,
               "gemm_wgsplit_all": lambda c: probe_gemm_wgsplit(c, shapes=SLICED_SHAPES[:3]),
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

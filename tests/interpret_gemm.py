@@ -78,13 +78,20 @@ def run(name: str) -> None:
                     err = _rel(out, ref)
                     assert err <= TOL, f"M={m} N={n} K={k} block_n={bn} split_k={split}: rel err {err:.2e}"
     elif name == "fused_reduce_is_the_reduce_kernel":  # same fp32 additions in split order: the same bits
-        ops = _operands(5, 192, 1024, seed=7)
-        for split in (2, 3, 4, 8):
-            a = G.fp8_block_gemm_triton(*ops, out_dtype=f32, split_k=split, block_n=64, num_warps=4, num_stages=3,
-                                        fused_reduce=True, sliced=False)
-            b = G.fp8_block_gemm_triton(*ops, out_dtype=f32, split_k=split, block_n=64, num_warps=4, num_stages=3,
-                                        fused_reduce=False, sliced=False)
-            assert _same_bits(a, b), f"split_k={split}: fused and separate reduce differ"
+        # 16 groups in 2 / 3 / 4 / 6 / 8 / 16 splits and 9 groups in 5 / 9: bursts of 2 / 4 partials per round trip
+        # (the kernel's RED, forced here: `reduce_burst` gives this little CPU grid 1) end full or short
+        rule = G.reduce_burst
+        for k, splits in ((2048, (2, 3, 4, 6, 8, 16)), (1152, (5, 9))):
+            ops = _operands(5, 192, k, seed=7)
+            for split in splits:
+                assert G._plan_split(5, 192, k // 128, 16, 64, ops[0].device, split)[0] == split
+                kw = dict(split_k=split, block_n=64, num_warps=4, num_stages=3, sliced=False)
+                b = G.fp8_block_gemm_triton(*ops, out_dtype=f32, fused_reduce=False, **kw)
+                for red in (4, 2, 1):
+                    G.reduce_burst = lambda splits, programs, sms, red=red: red
+                    a = G.fp8_block_gemm_triton(*ops, out_dtype=f32, fused_reduce=True, **kw)
+                    assert _same_bits(a, b), f"split_k={split} RED={red}: fused and separate reduce differ"
+                G.reduce_burst = rule
     elif name == "bias_and_bf16_rounding":
         m, n, k = 4, 200, 640
         ops = _operands(m, n, k, seed=11)

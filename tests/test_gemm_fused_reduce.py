@@ -68,10 +68,36 @@ def test_split_k_dispatch(fresh, monkeypatch, fused):
     (grid, args, meta), = kern.calls
     assert grid == (4, 1, 4) and tuple(args[5].shape) == (4, 3, 256)
     assert meta["FUSED_REDUCE"] is fused and meta["USE_PART"] is True
+    # 16 programs on the CPU's 4 "SMs": more than 2 per SM, one partial per round trip; unfused: no reduce in-kernel
+    assert meta["RED"] == 1
     if fused:
         assert not reduced and args[7] is fresh._COUNTERS[x.device]
     else:
         assert reduced and reduced[0] is args[5] and x.device not in fresh._COUNTERS
+
+
+@pytest.mark.parametrize("sms, red", [(8, 4), (7, 1), (1000, 4)])
+def test_split_k_dispatch_passes_the_burst_rule(fresh, monkeypatch, sms, red):
+    """The fused reduce's RED is `reduce_burst` of the launch's splits and program count: 16 programs over 8 SMs
+    fit 2 per SM (4 partials per trip), over 7 they do not (1)."""
+    kern = _Launch()
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(fresh, "sm_count", lambda device: sms)
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=True)
+    (grid, _, meta), = kern.calls
+    assert grid == (4, 1, 4) and meta["RED"] == red
+
+
+@pytest.mark.parametrize("splits, programs, sms, burst, red", [
+    (1, 10, 132, 4, 1), (2, 128, 132, 4, 2), (3, 192, 132, 4, 4), (4, 264, 132, 4, 4), (4, 265, 132, 4, 1),
+    (16, 256, 132, 4, 4), (4, 256, 132, 2, 2), (4, 256, 132, 1, 1), (2, 256, 132, 1, 1)])
+def test_reduce_burst_rule(monkeypatch, splits, programs, sms, burst, red):
+    """Partials per round trip: none to sum without a split; 2 for 2 splits; REDUCE_BURST for more; 1 once the grid
+    needs more than 2 programs per SM (the burst's registers could cost one) or when REDUCE_BURST is 1."""
+    monkeypatch.setattr(G, "REDUCE_BURST", burst)
+    assert G.reduce_burst(splits, programs, sms) == red
 
 
 def test_unsplit_call_uses_no_counters(fresh, monkeypatch):

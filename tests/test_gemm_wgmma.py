@@ -129,7 +129,7 @@ def _ptxas() -> str:
 
 
 def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, warp_spec: bool = False,
-                  split: bool = False, xrows: int = GW.XROWS):
+                  split: bool = False, xrows: int = GW.XROWS, red: int = 4):
     """`_fp8_rows_gemm_kernel` compiled for sm_90 (CUDA 12.x PTX) without a GPU; xrows < 64: the swapped kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -138,7 +138,7 @@ def _compile_sm90(block_n: int, stages: int, gps: int, rotate: bool = False, war
 
     fn = GW._fp8_rows_gemm_kernel
     consts = dict(NS=stages, GPS=gps, KB_PAD=128, HAS_BIAS=True, ROUND_BF16=True, PDL=True, ROTATE=rotate,
-                  WS=warp_spec, SPLIT=split, SWAP=xrows < GW.XROWS, TIMES=False)
+                  WS=warp_spec, SPLIT=split, SWAP=xrows < GW.XROWS, TIMES=False, RED=red)
 
     def desc(rows):
         return f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)}>"
@@ -188,3 +188,16 @@ def test_sm90_code_keeps_wgmma_asynchronous(block_n, stages, gps, rotate, warp_s
     assert f"wgmma.wait_group.sync.aligned {gps - 1};" in ptx
     assert kernel.metadata.shared <= GW.SMEM_BYTES
     assert kernel.metadata.shared >= GW.smem_bytes(block_n, stages, 128, gps, xrows) - 1024
+
+
+def test_split_reduce_loads_partials_in_bursts():
+    """RED = 2 / 4 (`engine.kernels.gemm.reduce_burst`): the last split's reduce loop loads two / four partials'
+    values per step, all before the first add (one L2 round trip per RED splits); RED = 1: one partial per step."""
+    per_tile = {}
+    for red in (1, 2, 4):
+        ptx = _compile_sm90(64, 4, 2, split=True, xrows=8, red=red).asm["ptx"]
+        loads = [i for i, line in enumerate(ptx.splitlines()) if "ld.global.cg" in line]
+        adds = [i for i, line in enumerate(ptx.splitlines()) if "add.f32" in line and i > loads[0]]
+        per_tile[red] = len(loads)
+        assert loads[-1] < adds[0], f"RED={red}: a partial is loaded after the reduce's first add"
+    assert per_tile[4] == 2 * per_tile[2] == 4 * per_tile[1] > 0, per_tile

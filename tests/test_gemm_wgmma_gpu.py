@@ -195,15 +195,17 @@ def _wg(xd, xs, wd, ws, bias=None, dtype=torch.float32, round_bf16=False, block_
 
 
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("m", [1, 4, 13, 16, 33])
+@pytest.mark.parametrize("m", [1, 4, 13, 16, 24, 33])
 @pytest.mark.parametrize("nk, splits, gps", [((200, 1424), 2, 2), ((384, 4096), 4, 2), ((384, 3072), 3, 4),
-                                             ((4096, 14336), 4, 2), ((4096, 14336), 2, 4), ((256, 896), 8, 2)])
+                                             ((4096, 14336), 4, 2), ((4096, 14336), 2, 4), ((256, 896), 8, 2),
+                                             ((384, 2560), 5, 2), ((256, 2304), 9, 2)])
 def test_split_and_swap_same_bits_as_split_k(spy, m, nk, splits, gps, swap):
     """K split across programs (`launch(splits=S)`: partials summed in split order by the last split of each tile),
     with the activation on either side of the wgmma: bit-identical to the split-K Triton kernel with the same K
     partition and its fused reduce -- tails in N and K (an odd group count, a last split shorter than the others),
     bias added and bf16 rounding in the reducing split -- and the same bits again on the next call (the arrival
-    counters were left zeroed). (256, 896): 7 groups asked for 8 splits, planned as 4 splits of 2."""
+    counters were left zeroed). (256, 896): 7 groups asked for 8 splits, planned as 4 splits of 2; 5 and 9 splits:
+    the reduce's last four-partial burst (`engine.kernels.gemm.REDUCE_BURST`) ends short."""
     from engine.kernels import gemm_wgmma as GW
 
     n, k = nk
@@ -274,3 +276,33 @@ def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
         n_calls = len(spy.calls)
         off = spy.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, wgmma=False)
         assert len(spy.calls) == n_calls and torch.equal(off.view(torch.int32), old.view(torch.int32))
+
+
+def _wgmma_entries():
+    """The H200's DECODE_CONFIGS entries that select the wgmma kernel (read without touching a device)."""
+    from engine.kernels import gemm as G
+
+    return sorted(key for key, knobs in G.DECODE_CONFIGS.items() if key[0] == "NVIDIA H200" and knobs.get("wgmma"))
+
+
+@pytest.mark.parametrize("key", _wgmma_entries())
+def test_every_wgmma_entry_runs_the_kernel_with_split_k_bits(spy, monkeypatch, key):
+    """Each H200 wgmma entry (BM 16 and BM 32), at the top and the bottom M of its tile, launches the Gluon kernel
+    with the entry's stages (or `swap_stages`), and gives the bits of the split-K kernel over the same K partition."""
+    from engine.kernels import gemm_wgmma as GW
+
+    monkeypatch.setattr(spy, "_device_name", lambda *a: "NVIDIA H200")
+    _, n, k, bm = key
+    knobs = spy.DECODE_CONFIGS[key]
+    gps = knobs["wgmma"] if knobs["wgmma"] in (2, 4) else GW.GPS
+    kb = -(-k // 128)
+    s_eff, per = GW.split_plan(kb, knobs["split_k"], gps)
+    assert -(-kb // s_eff) == per, "the entry's partition must be one split-K can run"
+    for m in (bm, bm // 2 + 1):
+        xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n + k)
+        spy.calls.clear()
+        out = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert spy.calls == [(64, knobs.get("num_stages") or GW.swap_stages(m, kb, knobs["split_k"], gps))], key
+        tri = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, s_eff, block_n=64,
+                              fused_reduce=True, sliced=False, wgmma=False)
+        assert torch.equal(out.view(torch.int32), tri.view(torch.int32)), (key, m)

@@ -154,6 +154,37 @@ def test_fp8_gemm_knobs_and_fused_reduce(m):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k, splits", [(2048, (2, 3, 4, 6, 8, 16)), (1152, (5, 9))])
+def test_fused_reduce_bursts_same_bits(monkeypatch, k, splits):
+    """The fused reduce loading four, two or one partials per round trip (the kernels' RED, forced through
+    `reduce_burst`) gives the two-kernel path's bits at every split count, full bursts (4, 8, 16 splits) and a short
+    last one (2, 3, 5, 6, 9), on the FP8 split-K kernel, and on the MX kernel (MXFP8 x MXFP8 and bf16 x NVFP4) at 4,
+    5 and 9 splits."""
+    from engine.formats import quantize
+    from engine.kernels import gemm as G
+
+    m, n = 5, 128
+    xd, xs, wd, ws = _block_operands(m, n, k, seed=k)
+    x = _randn(m, k, seed=3).to(torch.bfloat16)
+    w32 = _randn(n, k, seed=4)
+    mx_cases = [(quantize(x.float(), "mxfp8"), G.prepare_mx_weight(quantize(w32, "mxfp8"))),
+                (x, G.prepare_mx_weight(quantize(w32, "nvfp4")))]
+    for split in splits:
+        assert G._plan_split(m, n, k // 128, 16, 64, xd.device, split)[0] == split
+        kw = dict(split_k=split, block_n=64, num_warps=4, num_stages=3, sliced=False)
+        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=False, **kw)
+        mx = mx_cases if split in (4, 5, 9) else []
+        mx_plain = [G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=False) for a, b in mx]
+        for burst in (4, 2, 1):
+            monkeypatch.setattr(G, "reduce_burst", lambda splits, programs, sms, r=burst: r)
+            fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=True, **kw)
+            assert torch.equal(fused.view(torch.int32), plain.view(torch.int32)), (split, burst)
+            for (a, b), ref in zip(mx, mx_plain):
+                got = G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=True)
+                assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (split, burst)
+
+
 def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
     """A CUDA graph captured with the fused split-K reduce keeps working after a call with more tiles has grown the
     counter buffer: the old buffer is retired, not freed, and every call leaves its counters at zero."""

@@ -120,9 +120,38 @@ def _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_
 
 
 @triton.jit
+def _sum_partials(part_ptr, idx, mask, mn, n_splits, BN: tl.constexpr, BM: tl.constexpr, RED: tl.constexpr):
+    """0 + part[0][idx] + part[1][idx] + ... + part[n_splits - 1][idx] in fp32, in split order (the bits of
+    `_splitk_reduce_kernel`). RED = 2 / 4: the loads of that many partials are issued together, then added in order
+    (one L2 round trip per RED splits, not per split: `reduce_burst`); RED = 1: one partial per loop step."""
+    tot = tl.zeros((BN, BM), dtype=tl.float32)
+    if RED == 1:
+        for s in range(n_splits):  # split order, as _splitk_reduce_kernel
+            tot += tl.load(part_ptr + s * mn + idx, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        tl.static_assert(RED == 2 or RED == 4, "RED: 1, 2 or 4 partials per round trip")
+        for s0 in range(0, n_splits, RED):
+            base = part_ptr + s0 * mn + idx
+            p0 = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+            p1 = tl.load(base + mn, mask=mask & (s0 + 1 < n_splits), other=0.0, cache_modifier=".cg")
+            if RED == 4:
+                p2 = tl.load(base + 2 * mn, mask=mask & (s0 + 2 < n_splits), other=0.0, cache_modifier=".cg")
+                p3 = tl.load(base + 3 * mn, mask=mask & (s0 + 3 < n_splits), other=0.0, cache_modifier=".cg")
+            tot += p0
+            if s0 + 1 < n_splits:
+                tot += p1
+            if RED == 4:
+                if s0 + 2 < n_splits:
+                    tot += p2
+                if s0 + 3 < n_splits:
+                    tot += p3
+    return tot
+
+
+@triton.jit
 def _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, ts_ptr, cnt_ptr,
                        BN: tl.constexpr, BM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TS: tl.constexpr,
-                       ROUND_BF16: tl.constexpr):
+                       ROUND_BF16: tl.constexpr, RED: tl.constexpr = 4):
     """The fused split-K reduce, called by every split after storing its partial tile: the last split to arrive at
     the tile's counter (cnt_ptr, per tile, reset to 0 by that split) sums all partials in split order from zero, times
     the tensor scale, plus bias -- the fp32 operations of `_splitk_reduce_kernel`, so its bits, without its launch.
@@ -135,9 +164,7 @@ def _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, o
     if arrived == n_splits - 1:
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
         idx = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tot = tl.zeros((BN, BM), dtype=tl.float32)
-        for s in range(n_splits):  # split order, as _splitk_reduce_kernel
-            tot += tl.load(part_ptr + s * M.to(tl.int64) * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        tot = _sum_partials(part_ptr, idx, mask, M.to(tl.int64) * N, n_splits, BN, BM, RED)
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -227,7 +254,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False,
-                           PDL: tl.constexpr = False, CLUSTER: tl.constexpr = 1):
+                           PDL: tl.constexpr = False, CLUSTER: tl.constexpr = 1, RED: tl.constexpr = 4):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
@@ -257,7 +284,7 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                   USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
     if USE_PART and FUSED_REDUCE and CLUSTER == 1:
         _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, out_ptr, cnt_ptr,
-                           BN, BM, HAS_BIAS, False, ROUND_BF16)
+                           BN, BM, HAS_BIAS, False, ROUND_BF16, RED)
 
 
 @triton.jit(do_not_specialize=["M", "N", "groups_per_slice", "stride_xsm", "stride_xsg", "stride_wsn", "stride_wsg"])
@@ -529,7 +556,7 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
                     W_SB: tl.constexpr, W_E8M0: tl.constexpr, HAS_TS: tl.constexpr,
                     USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BITS: tl.constexpr = True,
                     ROW_SCALES: tl.constexpr = True, FP4_PTX: tl.constexpr = False,
-                    FUSED_REDUCE: tl.constexpr = False):
+                    FUSED_REDUCE: tl.constexpr = False, RED: tl.constexpr = 4):
     """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
     (packed FP4: low / high nibbles of the same 64 bytes; FP8: two loads) are decoded, scaled
     into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T.
@@ -594,7 +621,7 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
               USE_PART, HAS_BIAS, HAS_TS)
     if USE_PART and FUSED_REDUCE:
         _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, tl.num_programs(2), part_ptr, out_ptr, bias_ptr, ts_ptr,
-                           cnt_ptr, BN, BM, HAS_BIAS, HAS_TS, False)
+                           cnt_ptr, BN, BM, HAS_BIAS, HAS_TS, False, RED)
 
 
 @triton.jit
@@ -652,6 +679,23 @@ def _decode_stages(programs: int, sms: int, limits=None) -> int:
 # Split-K partials summed by the last split of each tile (same bits as the reduce kernel, one launch
 # fewer per GEMM: a decode step has ~6 per layer) unless a call or a DECODE_CONFIGS entry says otherwise.
 FUSED_REDUCE_DEFAULT = True
+# Partials the last split of a tile loads per L2 round trip in the fused reduce (`_sum_partials`; the Gluon kernel's
+# `_finish` alike), at most: 4, or 1 (one per loop step, sessions 5-19). Same bits either way: the adds stay in split
+# order. H200 (benchmarks/results/h200-2026-11-30-session20/probe_reduce_burst_first.txt, four per trip everywhere):
+# one call 4096x14336 M = 4 21.55 -> 20.6 us, M = 32 25.0 -> 24.1; in a CUDA graph 7168x16384 M = 32 44.0 -> 38.5,
+# 4096x4096 M = 16 7.97 -> 7.57. The burst's loads and pointers take registers (the BM 32 / BN 64 / 8-warp split-K
+# kernel 80 -> 105 per thread, 3 -> 2 programs per SM): 6144x4096 M = 32, 384 programs, went 11.0 -> 14.2 us. Hence
+# `reduce_burst`: one partial per trip where a grid needs more than 2 programs per SM.
+REDUCE_BURST = 4
+
+
+def reduce_burst(splits: int, programs: int, sms: int) -> int:
+    """Partials per L2 round trip of the fused reduce (the kernels' RED) for a grid of `programs` over K `splits`:
+    1 without a split, at REDUCE_BURST 1, or when the grid needs more than 2 programs per SM (the burst's registers
+    can cost one); else 2 for 2 splits, 4 for more."""
+    if splits < 2 or REDUCE_BURST < 2 or programs > 2 * sms:
+        return 1
+    return 2 if splits == 2 or REDUCE_BURST == 2 else 4
 # M = 1 without explicit knobs runs `_fp8_gemv_kernel` (CUDA cores, whole rows per program, no split-K): on the
 # H200 it beat the split-K MMA kernel on every Llama-3-8B decode shape (benchmarks/results/h200-2026-11-29-
 # session5/probe_gemv.txt: 4096x4096 11.2 vs 13.8 us, 4096x14336 24.2 vs 26.7 us). Its bits differ from the
@@ -717,17 +761,24 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # probe_decode_graph*.txt: 30.3 us at M = 8, 33.4 at M = 32). Same bits as the heuristic.
     # (Session 19: at BM 16 the wgmma kernel instead, entry above: 28.3-29.3 us in the graph, same one split.)
     ("NVIDIA H200", 28672, 4096, 16): dict(wgmma=True, split_k=1, block_n=64),
-    ("NVIDIA H200", 28672, 4096, 32): dict(split_k=1, block_n=64, num_warps=4, num_stages=3, fused_reduce=True),
-    # Llama-3-8B decode at batch 17-32 (BM 32), swept as the batch-8 / 64 entries (benchmarks/results/
-    # h200-2026-11-30-session15/probe_decode_graph32.txt, us per call in a CUDA graph, entry vs heuristic): 8 warps
-    # where the heuristic runs 4 (28672x4096: above). Batch-32 runtime step, two runs each: fp8-block
-    # 4.35 / 4.32 -> 4.11 / 4.14 ms, fp8-kv-embed 4.39 / 4.31 -> 4.19 / 4.21 (ab_b32.txt).
-    ("NVIDIA H200", 6144, 4096, 32): dict(split_k=4, block_n=64, num_warps=8, num_stages=3,
-                                          fused_reduce=True),  # 10.86 vs 12.77
-    ("NVIDIA H200", 4096, 4096, 32): dict(split_k=2, block_n=64, num_warps=8, num_stages=4,
-                                          fused_reduce=True),  # 9.17 vs 10.01
-    ("NVIDIA H200", 4096, 14336, 32): dict(split_k=4, block_n=128, num_warps=8, num_stages=4,
-                                           fused_reduce=True),  # 22.48 vs 25.90
+    # BM 32 (M 17-32) on the big decode shapes: the Gluon wgmma kernel too (its activation rows: 32), split count and
+    # stages from the sweep at M = 24 / 32 (benchmarks/results/h200-2026-11-30-session20/probe_wgmma_sweep32.txt,
+    # us per call in a CUDA graph over weight copies, each timed twice), against the split-K entries before:
+    #   28672x4096 (1 split, 4 stages: swap_stages' default): 32.0 / 32.2 vs 33.0 / 33.6;
+    #   4096x14336 (2 splits, 6 stages): 20.0 / 20.0 vs 21.8 / 21.8;
+    #   7168x16384 (1 split, 4 stages; no entry before): 32.9 / 33.1 vs 37.7 / 38.3;
+    #   6144x4096 (1 split, 4 groups x 3 stages): 8.7 / 8.8 vs 11.0 (probe_reduce_burst_first.txt);
+    #   4096x4096 (1 split, 4 groups x 3 stages): 8.1 / 8.2 vs 8.9 / 9.0.
+    # With one program per SM (at most 132), the deeper pipelines past swap_stages' 112 KB are pinned.
+    ("NVIDIA H200", 28672, 4096, 32): dict(wgmma=True, split_k=1, block_n=64),
+    ("NVIDIA H200", 4096, 14336, 32): dict(wgmma=True, split_k=2, block_n=64, num_stages=6),
+    ("NVIDIA H200", 7168, 16384, 32): dict(wgmma=True, split_k=1, block_n=64, num_stages=4),
+    ("NVIDIA H200", 6144, 4096, 32): dict(wgmma=4, split_k=1, block_n=64, num_stages=3),
+    ("NVIDIA H200", 4096, 4096, 32): dict(wgmma=4, split_k=1, block_n=64, num_stages=3),
+    # (Sessions 15-19 at BM 32: split-K entries with 8 warps, benchmarks/results/h200-2026-11-30-session15/
+    # probe_decode_graph32.txt -- 6144x4096 split_k=4 / BN 64 / 3 stages, 4096x4096 split_k=2 / BN 64 / 4 stages,
+    # 4096x14336 split_k=4 / BN 128 / 4 stages, all fused; 28672x4096 the heuristic's tile with 3 stages pinned.
+    # benchmarks/e2e_before.py keeps them as preset s19.)
     # Llama-3-8B's lm_head at batch 2-16: the stage rule's 3 stages (15 programs per SM) run 132.1 / 140.2 us per call
     # at M = 4 / 16 in a CUDA graph, 4 stages 124.8 / 130.8, the best of 3 / 4 / 6 at both (h200-2026-11-30-session16/
     # probe_decode_stages_check.txt). One split as the heuristic: same bits.
@@ -1036,7 +1087,7 @@ def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, in
                 n_splits=splits, stride_xm=x.stride(0), stride_wn=w.stride(0), stride_xsm=xs_strides[0],
                 stride_xsg=xs_strides[1], stride_wsn=ws_strides[0], stride_wsg=ws_strides[1], BM=bm, BN=bn,
                 USE_PART=True, HAS_BIAS=bias is not None, FUSED_REDUCE=False, ROUND_BF16=round_bf16,
-                PDL=opts["PDL"], CLUSTER=splits)
+                PDL=opts["PDL"], CLUSTER=splits, RED=1)
     cl.launch(_fp8_block_gemm_kernel, (_cdiv(n, bn), _cdiv(m, bm)), splits, bn * bm * 4, args,
               num_warps=num_warps, num_stages=num_stages, **{k_: v for k_, v in opts.items() if k_ != "PDL"})
 
@@ -1177,7 +1228,8 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     args = (x, xs, w, ws, out, part, bias if bias is not None else out, cnt, m, n, k, per, splits,
             x.stride(0), w.stride(0), *xs_strides, *ws_strides)
     meta = dict(BM=bm, BN=bn, USE_PART=splits > 1, HAS_BIAS=bias is not None and (splits == 1 or fused),
-                FUSED_REDUCE=fused, ROUND_BF16=round_bf16)
+                FUSED_REDUCE=fused, ROUND_BF16=round_bf16,
+                RED=reduce_burst(splits, grid[0] * grid[1] * grid[2], sm_count(x.device)) if fused else 1)
     explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
     big_decode = x.is_cuda and m <= 64 and n * k >= TUNE_MIN_WEIGHT and not explicit
     if big_decode and DECODE_STAGE_CHOICE == "autotune":
@@ -1621,7 +1673,8 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
         BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
         HAS_TS=ts is not None, USE_PART=splits > 1, HAS_BIAS=bias is not None, SCALE_BITS=MX_SCALE_BITS,
         ROW_SCALES=MX_ROW_SCALES, FP4_PTX=MX_FP4_PTX and x2.is_cuda and torch.version.hip is None,
-        FUSED_REDUCE=fused, num_warps=4, num_stages=3)
+        FUSED_REDUCE=fused, RED=reduce_burst(splits, grid[0] * grid[1] * grid[2], sm_count(x2.device)) if fused else 1,
+        num_warps=4, num_stages=3)
     if splits > 1 and not fused:
         _reduce(part, out, bias, ts)
     return out.reshape(*lead, n)

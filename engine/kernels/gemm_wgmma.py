@@ -178,20 +178,39 @@ def _produce(x_desc, w_desc, x_smem, w_smem, ready, empty, nch, start, c0, NS: g
 
 @gluon.jit
 def _finish(acc, idx, mask, on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr, cnt_ptr, HAS_BIAS: gl.constexpr,
-            ROUND_BF16: gl.constexpr, SPLIT: gl.constexpr):
+            ROUND_BF16: gl.constexpr, SPLIT: gl.constexpr, RED: gl.constexpr):
     """Store the program's tile acc at out[idx] (+ bias, rounded to bf16 values when asked); with SPLIT, store it as
     split pid_s's partial part[pid_s][idx] instead, and the last split of the tile to arrive at its counter
     cnt_ptr[pid] sums all partials in split order from zero, adds the bias, rounds and stores: the fp32 operations of
-    `engine.kernels.gemm._last_split_reduce`, so the bits of the split-K kernel's fused reduce."""
+    `engine.kernels.gemm._last_split_reduce`, so the bits of the split-K kernel's fused reduce (RED = 1 / 2 / 4
+    partials loaded per L2 round trip: `engine.kernels.gemm.reduce_burst`)."""
     if SPLIT:
         mn = M.to(gl.int64) * N
         gl.store(part_ptr + pid_s * mn + idx, acc, mask=mask)
         gl.thread_barrier()  # every thread's partial store happens before the release below
         arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == gl.num_programs(1) - 1:
+        ns = gl.num_programs(1)
+        if arrived == ns - 1:
             acc = gl.zeros_like(acc)
-            for s in range(gl.num_programs(1)):  # split order, as the split-K reduce
-                acc += gl.load(part_ptr + s * mn + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            if RED == 1:
+                for s in range(ns):  # split order, as the split-K reduce
+                    acc += gl.load(part_ptr + s * mn + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            else:  # RED partials' loads in flight per L2 round trip, added in split order
+                for s0 in range(0, ns, RED):
+                    base = part_ptr + s0 * mn + idx
+                    p0 = gl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+                    p1 = gl.load(base + mn, mask=mask & (s0 + 1 < ns), other=0.0, cache_modifier=".cg")
+                    if RED == 4:
+                        p2 = gl.load(base + 2 * mn, mask=mask & (s0 + 2 < ns), other=0.0, cache_modifier=".cg")
+                        p3 = gl.load(base + 3 * mn, mask=mask & (s0 + 3 < ns), other=0.0, cache_modifier=".cg")
+                    acc += p0
+                    if s0 + 1 < ns:
+                        acc += p1
+                    if RED == 4:
+                        if s0 + 2 < ns:
+                            acc += p2
+                        if s0 + 3 < ns:
+                            acc += p3
             _store_out(acc, idx, mask, on, N, out_ptr, bias_ptr, HAS_BIAS, ROUND_BF16)
             gl.store(cnt_ptr + pid, 0)  # ready for the next call (kernels on a stream complete in order)
     else:
@@ -218,7 +237,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
                           NS: gl.constexpr, GPS: gl.constexpr, KB_PAD: gl.constexpr, HAS_BIAS: gl.constexpr,
                           ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False,
                           WS: gl.constexpr = False, SPLIT: gl.constexpr = False, SWAP: gl.constexpr = False,
-                          TIMES: gl.constexpr = False):
+                          TIMES: gl.constexpr = False, RED: gl.constexpr = 4):
     """Grid (cdiv(N, BN), K splits), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring.
     Program (pid, pid_s) walks the 128-groups [pid_s * groups_per_split, + groups_per_split) of K (a multiple of
     GPS; all of K with one split). TIMES (a probe build, benchmarks/probe_kernels.py): t[pid * splits + pid_s] =
@@ -313,7 +332,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     if TIMES:
         gl.store(t_row + 2, _now())
     _finish(acc, om.to(gl.int64) * N + on, (om < M) & (on < N), on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr,
-            cnt_ptr, HAS_BIAS, ROUND_BF16, SPLIT)
+            cnt_ptr, HAS_BIAS, ROUND_BF16, SPLIT, RED)
     if TIMES:
         gl.store(t_row + 3, _now())
         gl.store(t_row + 4, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
@@ -442,7 +461,8 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
     (programs, 5) buffer for the TIMES probe build."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from engine.kernels.gemm import _tile_counters
+    from engine.kernels import sm_count
+    from engine.kernels.gemm import _tile_counters, reduce_burst
     from engine.kernels.pdl import launch_opts
 
     m, k = x.shape
@@ -457,5 +477,6 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
     _fp8_rows_gemm_kernel[grid](
         x_desc, w_desc, xs, ws, out, bias if bias is not None else out, part, cnt, times if times is not None else cnt,
         m, n, k, per, *xs_strides, *ws_strides, NS=stages, GPS=gps, KB_PAD=_groups_pad(per, gps), ROTATE=rotate,
-        WS=warp_spec, SPLIT=n_splits > 1, SWAP=swap, TIMES=times is not None, HAS_BIAS=bias is not None,
-        ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
+        WS=warp_spec, SPLIT=n_splits > 1, SWAP=swap, TIMES=times is not None,
+        RED=reduce_burst(n_splits, grid[0] * n_splits, sm_count(x.device)),
+        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
