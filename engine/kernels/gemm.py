@@ -759,7 +759,8 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # call went 3.54 -> 3.72 TB/s and a CUDA graph over weight copies 3.87 -> 3.21 TB/s at M = 4 (session 14's
     # bench_gemm.txt, session 15's bench_gemm_autotuned_28672.txt; pinned: 3.61 / 3.99, session 15's bench_gemm.txt;
     # probe_decode_graph*.txt: 30.3 us at M = 8, 33.4 at M = 32). Same bits as the heuristic.
-    # (Session 19: at BM 16 the wgmma kernel instead, entry above: 28.3-29.3 us in the graph, same one split.)
+    # (Session 19: at BM 16 the wgmma kernel instead, entry above: 28.3-29.3 us in the graph, same one split;
+    # session 20: at BM 32 too, below.)
     ("NVIDIA H200", 28672, 4096, 16): dict(wgmma=True, split_k=1, block_n=64),
     # BM 32 (M 17-32) on the big decode shapes: the Gluon wgmma kernel too (its activation rows: 32), split count and
     # stages from the sweep at M = 24 / 32 (benchmarks/results/h200-2026-11-30-session20/probe_wgmma_sweep32.txt,

@@ -40,6 +40,10 @@ Measured (H200):
   17.4 us); in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6
   / 19.1 for the split-K entry (probe_wgmma_sweep.txt). Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8%
   faster with the four BM-16 entries (e2e_*.txt).
+* session 20 (benchmarks/results/h200-2026-11-30-session20/): the reduce's partials loaded 2 / 4 per L2 round trip
+  (`engine.kernels.gemm.reduce_burst`): 4096x14336 at M = 4 one call 21.5 -> 20.6 us. With 32 activation rows the
+  kernel also serves the H200's BM-32 entries (M 17-32; probe_wgmma_sweep32.txt): the Llama-3-8B decode step at
+  batch 24 / 32 is 10% / 13% faster.
 """
 
 from __future__ import annotations
