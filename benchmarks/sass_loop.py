@@ -35,11 +35,13 @@ def triton_tool(name: str) -> str | None:
 
 
 def compile_sm90(fn, constexprs: dict, ptr_types: dict, num_warps: int = 4, num_stages: int = 3):
-    """`fn` (a @triton.jit kernel) compiled for sm_90: constexprs by name, pointer element types by name (others
-    '*fp32'), the remaining arguments i32."""
+    """`fn` (a @triton.jit kernel) compiled for sm_90: constexprs by name (unnamed constexpr parameters take their
+    defaults), pointer element types by name (others '*fp32'), the remaining arguments i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
 
     sig = {a: "constexpr" if a in constexprs else ptr_types.get(a, "*fp32") if a.endswith("_ptr") else "i32"
            for a in fn.arg_names}
