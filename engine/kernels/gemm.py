@@ -696,6 +696,8 @@ def reduce_burst(splits: int, programs: int, sms: int) -> int:
     if splits < 2 or REDUCE_BURST < 2 or programs > 2 * sms:
         return 1
     return 2 if splits == 2 or REDUCE_BURST == 2 else 4
+
+
 # M = 1 without explicit knobs runs `_fp8_gemv_kernel` (CUDA cores, whole rows per program, no split-K): on the
 # H200 it beat the split-K MMA kernel on every Llama-3-8B decode shape (benchmarks/results/h200-2026-11-29-
 # session5/probe_gemv.txt: 4096x4096 11.2 vs 13.8 us, 4096x14336 24.2 vs 26.7 us). Its bits differ from the
