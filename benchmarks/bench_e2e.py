@@ -46,6 +46,16 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+# A dense model whose decode GEMMs have no DECODE_CONFIGS entry (session 21's wgmma rule): Qwen2.5-7B's shapes (qkv
+# 4608x3584 with bias, o 3584x3584, gate+up 37888x3584, down 3584x18944, lm_head 152064x3584).
+QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+             "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+# --model: (label, HF config (None: QWEN3_MOE), result file stem)
+MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B, "bench_e2e"),
+          "qwen2.5-7b": ("Qwen2.5-7B", QWEN25_7B, "bench_e2e_qwen"),
+          "qwen3-30b-a3b": ("Qwen3-30B-A3B", None, "bench_e2e_moe")}
 QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
              "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
              "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
@@ -335,7 +345,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--recipes", default="bf16,fp8-block")
-    ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shaped MoE instead of Llama-3-8B")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
+                    help="the model whose shapes (random weights) are timed")
+    ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B-shaped MoE (= --model qwen3-30b-a3b)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--runtime", action="store_true", help="also time the paged runtime with CUDA-graph decode")
     ap.add_argument("--runtime-only", action="store_true",
@@ -367,7 +379,10 @@ def main() -> None:
     from evalharness.provenance import hardware_fingerprint
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    hf_cfg = dict(QWEN3_MOE if args.moe else LLAMA3_8B)
+    if args.moe:
+        args.model = "qwen3-30b-a3b"
+    label, shape, out_name = MODELS[args.model]
+    hf_cfg = dict(shape or QWEN3_MOE)
     if args.layers:
         hf_cfg["num_hidden_layers"] = args.layers
     cfg = ModelConfig.from_hf(hf_cfg, where="bench_e2e")
@@ -384,7 +399,7 @@ def main() -> None:
     say(f"decode GEMM pipeline depth without an entry: {gemm.DECODE_STAGE_CHOICE}")
     for key, knobs in added.items():
         say(f"DECODE_CONFIGS entry added from {args.decode_configs}: {key} -> {knobs}")
-    say(f"model: {'Qwen3-30B-A3B' if args.moe else 'Llama-3-8B'}-shaped, {cfg.num_layers} layers, random weights")
+    say(f"model: {label}-shaped, {cfg.num_layers} layers, random weights")
     t0 = time.time()
     model = Transformer(cfg, random_weights(cfg))
     say(f"built fp32 master weights on the GPU in {time.time() - t0:.1f}s")
@@ -431,7 +446,7 @@ def main() -> None:
             f"{r['roofline_pipelined_frac']:9.1%}  {note}")
     out = os.environ.get("OUT")
     if out:
-        name = "bench_e2e_moe" if args.moe else "bench_e2e"
+        name = out_name
         Path(out, f"{name}.json").write_text(json.dumps({"hardware": fp, "copy_bw": bw, "rows": rows}, indent=1))
         Path(out, f"{name}.txt").write_text("\n".join(lines) + "\n")
 

@@ -15,6 +15,8 @@ Presets:
                   session 19 moved to the Gluon wgmma kernel: session 19's A/B
   s19             session 19's kernels: the fused reduce loading one partial per round trip (REDUCE_BURST 1) and the
                   split-K BM-32 DECODE_CONFIGS entries (no 7168x16384 one): session 20's A/B
+  s20             session 20's kernels: decode GEMMs without an entry on the split-K heuristic, not the sm_90 wgmma
+                  rule (`WGMMA_RULE` off): session 21's A/B
 """
 
 from __future__ import annotations
@@ -65,8 +67,12 @@ def _s19() -> None:
     })
 
 
+def _s20() -> None:
+    gemm.WGMMA_RULE = False
+
+
 PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17,
-           "sliced-s18": _sliced_s18, "s19": _s19}
+           "sliced-s18": _sliced_s18, "s19": _s19, "s20": _s20}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:

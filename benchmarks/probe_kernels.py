@@ -2592,6 +2592,91 @@ STAGE_CHECK = ((37888, 3584), (3584, 18944), (5120, 5120), (27648, 5120), (5120,
                (8192, 28672), (3072, 8192), (2560, 9728), (12288, 4096), (128256, 4096), (151936, 2048))
 
 
+# Shapes held out of the wgmma rule's fit (`--only wgmma_split_check2`): Mistral-Nemo-12B, Qwen3-8B / 14B, Gemma-2-9B,
+# Qwen2.5-1.5B / 3B / 7B, Llama-3.2-3B projections.
+WGMMA_CHECK = ((5120, 14336), (28672, 5120), (6144, 5120), (5120, 4096), (24576, 4096), (4096, 12288), (5120, 17408),
+               (7168, 5120), (3584, 14336), (8192, 3584), (3584, 4096), (1536, 8960), (2048, 11008), (5120, 3072),
+               (3072, 3072), (4608, 3584), (3584, 3584))
+# Shapes no sweep had when the rule was last refitted (`--only wgmma_split_check3`): Llama-3-70B's MLP and qkv over 8
+# GPUs, Phi-3-mini, Gemma-2-2B, Qwen2.5-32B's down, Qwen3-4B, DeepSeek-V2-Lite's q and o, square 2048 / 2560.
+WGMMA_CHECK3 = ((1280, 8192), (7168, 8192), (9216, 3072), (16384, 3072), (2304, 9216), (5120, 27648), (6144, 2560),
+                (19456, 2560), (3072, 2048), (2048, 2048), (2560, 2560), (4096, 2304))
+
+
+def _wgmma_split_configs(m: int, n: int, k: int, sms: int, max_per_sm: float = 6.0) -> list[tuple[int, int, int]]:
+    """(splits, groups per stage, stages) of the swapped wgmma kernel worth timing on M x N x K: 1, 2, 3, 4, 6 and 8 K
+    splits (distinct effective partitions; above one split >= 4 groups per split and at most max_per_sm programs per
+    SM), 2 or 4 groups per stage, each at `swap_stages`' default depth and, where every program has an SM to itself,
+    also at the deepest pipeline that fits the shared memory."""
+    from engine.kernels import gemm_wgmma as GW
+
+    kb = -(-k // 128)
+    seen, out = set(), []
+    for sp in (1, 2, 3, 4, 6, 8):
+        for gps in (2, 4):
+            s_eff, per = GW.split_plan(kb, sp, gps)
+            progs = -(-n // 64) * s_eff
+            if (s_eff, per, gps) in seen or (s_eff > 1 and (per < 4 or progs > max_per_sm * sms)):
+                continue
+            seen.add((s_eff, per, gps))
+            base = GW.swap_stages(m, kb, s_eff, gps)
+            depths = [base]
+            if progs <= sms:
+                deep = max((st for st in range(base, 9) if GW.plan_error(m, n, k, 64, st, gps, s_eff, True) is None
+                            and st <= -(-per // gps)), default=base)
+                if deep != base:
+                    depths.append(deep)
+            out += [(s_eff, gps, st) for st in depths if GW.plan_error(m, n, k, 64, st, gps, s_eff, True) is None]
+    return out
+
+
+def probe_wgmma_split(copy_tbs: float, shapes=None, ms=(4, 16, 32)) -> None:
+    """Session 21: the swapped Gluon wgmma kernel on decode shapes the H200's `DECODE_CONFIGS` do not name, against
+    the production dispatch without the wgmma rule (`prod`: its entries where it has them, else the split-K
+    heuristic) and with it (`rule`, where `gemm.WGMMA_RULE` is on), per call in a CUDA graph of 64 calls over weight
+    copies (bf16 out). Variants `w{splits}g{groups per stage}n{stages}` as `_wgmma_split_configs`; rows in
+    `benchmarks/split_rule_eval.py`'s format, which scores the rule (`--wgmma`). Shapes: STAGE_GRID (default),
+    STAGE_CHECK (`wgmma_split_check`), WGMMA_CHECK (`wgmma_split_check2`; the three fitted the rule), WGMMA_CHECK3
+    (`wgmma_split_check3`: held out)."""
+    from engine.kernels import gemm as G
+
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = STAGE_GRID if shapes is None else shapes
+    print(f"\n## wgmma split rule: us per call in a CUDA graph (64 calls over weight copies), {sms} SMs")
+    for n, k in shapes:
+        wts = _fp8_weights(n, k)
+        wbytes = n * k + wts[0][1].numel() * 4
+        for m in ms:
+            xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
+            bm = G._tiles(m)[0]
+            def prod(xd=xd, xs=xs, wts=wts):
+                return graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
+
+            rule_on, G.WGMMA_RULE = G.WGMMA_RULE, False
+            try:
+                row = [(prod(), "prod")]
+            finally:
+                G.WGMMA_RULE = rule_on
+            if rule_on:
+                row.append((prod(), "rule"))
+            for s_eff, gps, st in _wgmma_split_configs(m, n, k, sms):
+                cfg = dict(wgmma=gps, split_k=s_eff, block_n=64, num_stages=st)
+                try:
+                    t = graph_us([lambda w=w: G.fp8_block_gemm_triton(xd, xs, *w, out_dtype=bf, **cfg) for w in wts])
+                except Exception as e:  # noqa: BLE001 -- a config that cannot compile is reported, not fatal
+                    print(f"    {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                row.append((t, f"w{s_eff}g{gps}n{st}"))
+            best = min(row)
+            cells = " ".join(f"{name}={t:7.2f}" for t, name in row)
+            print(f"  {n:5d}x{k:5d} M={m:2d} BM={bm}: heuristic prod {row[0][0]:7.2f} us "
+                  f"({wbytes / row[0][0] / 1e6:4.2f} TB/s), best {best[1]} {best[0]:7.2f} us "
+                  f"({wbytes / best[0] / 1e6:4.2f} TB/s) | {cells}", flush=True)
+        del wts
+        torch.cuda.empty_cache()
+
+
 def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> None:
     """Pipeline depth of the split-K kernel on decode shapes without a `DECODE_CONFIGS` entry, as a decode step runs
     them (CUDA graph of 64 calls over weight copies, bf16 out), at the heuristic's tiles and split count: the
@@ -2837,7 +2922,10 @@ def main() -> int:
               "wgmma_timeline": probe_wgmma_timeline, "wgmma_sweep": probe_wgmma_sweep,
               "wgmma_sweep32": lambda c: probe_wgmma_sweep(c, shapes=((28672, 4096), (4096, 14336), (7168, 16384),
                                                                       (6144, 4096), (4096, 4096)), ms=(24, 32)),
-              "reduce_burst": probe_reduce_burst,
+              "reduce_burst": probe_reduce_burst, "wgmma_split": probe_wgmma_split,
+              "wgmma_split_check": lambda c: probe_wgmma_split(c, shapes=STAGE_CHECK),
+              "wgmma_split_check2": lambda c: probe_wgmma_split(c, shapes=WGMMA_CHECK),
+              "wgmma_split_check3": lambda c: probe_wgmma_split(c, shapes=WGMMA_CHECK3),
               "gemm_wgsplit_all": lambda c: probe_gemm_wgsplit(c, shapes=SLICED_SHAPES[:3]),
               "gemm_wholek_rotate": probe_gemm_wholek_rotate,
               "gemm_wholek_ws": lambda c: probe_gemm_wholek_rotate(c, ws_too=True),

@@ -2,12 +2,17 @@
 
     python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30-session14/probe_split_rule.txt]
     python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30-session17/probe_mx_split.txt]
+    python benchmarks/split_rule_eval.py --wgmma [sweep ...]   (default: session 21's four wgmma sweeps)
 
 The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
 whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
 mean of (time of the rule's pick / time of the best variant) and the worst point, for the rule in
 `engine.kernels.gemm` now (`_split_k` with `SPLIT_FILL`, `_heuristic_whole_k`) and for the rule of sessions 3-13
 (2 programs per SM, no whole-K). The SM count is the sweep's (its header line).
+
+`--wgmma` scores the sm_90 wgmma rule (`engine.kernels.gemm.wgmma_plan`) against `probe_kernels.py --only
+wgmma_split` sweeps: per point its pick's time over the best variant's and over the production dispatch's (`prod`,
+the split-K heuristic where the H200 has no entry); a pick the sweep did not time is an error.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import gemm_wgmma as GW  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session14" / "probe_split_rule.txt"
 # The MX GEMM's sweep (`probe_kernels.py --only mx_split`: bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8), scored against
@@ -86,8 +92,52 @@ def score(sms: int, rows: dict, fill, whole_k: bool) -> dict:
     return {"geo": geo, "worst": worst}
 
 
+WGMMA_DEFAULT = tuple(Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session21" / name
+                      for name in ("probe_wgmma_split.txt", "probe_wgmma_split_check.txt",
+                                   "probe_wgmma_split_check2.txt", "probe_wgmma_split_check3.txt"))
+
+
+def wgmma_pick(n: int, k: int, m: int, sms: int) -> str:
+    """The variant name `w<splits>g<groups per stage>n<stages>` the wgmma rule runs for (N, K, M), or 'prod' where it
+    has no plan."""
+    plan = G.wgmma_plan(m, n, k, sms)
+    if plan is None:
+        return "prod"
+    splits, gps, stages = plan
+    return f"w{splits}g{gps}n{stages or GW.swap_stages(m, -(-k // 128), splits, gps)}"
+
+
+def score_wgmma(sms: int, rows: dict, path: Path) -> dict:
+    """Per BM and overall: geometric means of pick / best and pick / prod, and the worst point of each."""
+    best: dict = {}
+    prod: dict = {}
+    worst = {"best": (0.0, None), "prod": (0.0, None)}
+    for (n, k, m, bm), times in rows.items():
+        name = wgmma_pick(n, k, m, sms)
+        if name not in times or "prod" not in times:
+            raise ValueError(f"{path}: {n}x{k} M={m} has no time for the rule's pick {name} (or no prod); "
+                             "re-run `probe_kernels.py --only wgmma_split` with this rule")
+        for key, ref, acc in (("best", min(times.values()), best), ("prod", times["prod"], prod)):
+            r = times[name] / ref
+            acc.setdefault(bm, []).append(r)
+            acc.setdefault("all", []).append(r)
+            worst[key] = max(worst[key], (r, (n, k, m, name)))
+    geo = lambda d: {key: math.exp(sum(map(math.log, v)) / len(v)) for key, v in d.items()}
+    return {"best": geo(best), "prod": geo(prod), "worst": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--wgmma":
+        for path in ([Path(a) for a in args[1:]] or WGMMA_DEFAULT):
+            sms, rows = read_sweep(path)
+            s = score_wgmma(sms, rows, path)
+            print(f"{path.name}: {len(rows)} points, {sms} SMs; the wgmma rule's pick, geometric mean")
+            for key in ("best", "prod"):
+                per = "  ".join(f"BM {bm} {g:.3f}" for bm, g in sorted((b, g) for b, g in s[key].items() if b != "all"))
+                print(f"  / {key:4s} all {s[key]['all']:.3f}  {per}  worst {s['worst'][key][0]:.3f} at "
+                      f"{s['worst'][key][1]}")
+        return 0
     if args and args[0] == "--mx":
         path = Path(args[1]) if len(args) > 1 else MX_DEFAULT
         for title, (sms, rows) in read_sections(path).items():

@@ -172,6 +172,125 @@ def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
         assert not launched and want > 1 and grid == (512 // 64, 1, want) and meta["BN"] == 64
 
 
+@pytest.mark.parametrize("m", [2, 4, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("nk", [(1536, 8960), (2048, 14336), (3584, 18944), (4096, 4096), (4096, 7168), (5120, 13824),
+                                (6144, 4096), (8192, 28672), (10240, 8192), (28672, 4096), (151936, 2048),
+                                (4096, 65536), (200, 1024)])
+def test_wgmma_plan_keeps_its_rule(m, nk):
+    """The wgmma rule's plan on 132 SMs: a plan the kernel accepts; one split (the fewest the scale table allows) from
+    WGMMA_RULE_WIDE x SMs weight tiles; below that, up to WGMMA_RULE_MAX_SPLITS splits: at 8 activation rows the most
+    whose programs stay within WGMMA_RULE_FILL8 per SM, above 8 the fewest that fill the SMs' last wave best, each
+    keeping >= WGMMA_RULE_MIN_GROUPS8 / WGMMA_RULE_MIN_GROUPS groups per split; the deepest pipeline (2 groups per
+    stage at 8 rows, else 4) exactly where every program has an SM to itself."""
+    n, k = nk
+    plan = G.wgmma_plan(m, n, k, 132)
+    splits, gps, stages = plan
+    tiles, kb = -(-n // 64), -(-k // 128)
+    rows = GW.x_rows(m, True)
+    fewest = -(-kb // GW.MAX_GROUPS)  # these shapes' fewest splits the 128-group scale table allows
+    assert GW.split_plan(kb, splits, gps)[0] == splits
+    assert GW.plan_error(m, n, k, 64, stages or GW.swap_stages(m, kb, splits, gps), gps, splits, True) is None
+    if tiles >= G.WGMMA_RULE_WIDE * 132:
+        assert splits == fewest
+    else:
+        assert splits == fewest or splits <= G.WGMMA_RULE_MAX_SPLITS
+        ok = [s for s in range(fewest, max(fewest, G.WGMMA_RULE_MAX_SPLITS) + 1)
+              if GW.split_plan(kb, s, 2)[0] == s and (s == 1 or -(-kb // s) >= 4)]
+        if rows == 8:
+            ok = [s for s in ok if s == fewest or kb / s >= G.WGMMA_RULE_MIN_GROUPS8]
+            assert splits in ok and (splits == fewest or tiles * splits <= G.WGMMA_RULE_FILL8 * 132)
+            assert all(tiles * s > G.WGMMA_RULE_FILL8 * 132 for s in ok if s > splits)
+        else:
+            ok = [s for s in ok if s == fewest or kb / s >= G.WGMMA_RULE_MIN_GROUPS]
+            fill = lambda s: tiles * s / (132 * -(-tiles * s // 132))
+            assert splits in ok and all(fill(s) < fill(splits) - 1e-9 if s < splits else fill(s) <= fill(splits) + 1e-9
+                                        for s in ok)
+    if tiles * splits <= 132:
+        assert stages is not None and gps == (2 if rows == 8 else 4) or stages is not None and gps == 2
+        per = GW.split_plan(kb, splits, gps)[1]
+        deeper = stages + 1
+        assert deeper > G.WGMMA_RULE_MAX_STAGES or deeper > -(-per // gps) or \
+            GW.plan_error(m, n, k, 64, deeper, gps, splits, True) is not None
+    else:
+        assert (gps, stages) == (2, None)
+
+
+def test_wgmma_plan_examples():
+    """Worked examples of the rule (132 SMs): wide weights one split; 64 tiles at 8 rows 4 splits (2 per SM), at 16
+    rows 2 (one full wave; 4 fill two as well) with 4 groups x 5 stages, but one split where two would leave 16 groups
+    each; 80 tiles 3 splits (240 programs: 91% of two waves) where K has the groups; a K whose scale table needs 2
+    splits gets them; no plan for M = 1, above 32 rows, or a K the kernel's TMA cannot read."""
+    assert G.wgmma_plan(4, 8192, 4096, 132) == (1, 2, 8)
+    assert G.wgmma_plan(16, 28672, 4096, 132) == (1, 2, None)
+    assert G.wgmma_plan(4, 4096, 7168, 132) == (4, 2, None)
+    assert G.wgmma_plan(16, 4096, 7168, 132) == (2, 4, 5)
+    assert G.wgmma_plan(16, 4096, 4096, 132)[0] == 1 and G.wgmma_plan(4, 4096, 4096, 132)[0] == 3
+    assert G.wgmma_plan(4, 3072, 2048, 132)[0] == 1  # 16 groups: two splits would leave 8 each
+    assert G.wgmma_plan(32, 8192, 28672, 132) == (2, 2, None)
+    assert G.wgmma_plan(16, 5120, 13824, 132) == (3, 2, None) and G.wgmma_plan(16, 5120, 5120, 132)[0] == 1
+    assert G.wave_fill(240, 132) == pytest.approx(240 / 264) and G.wave_fill(128, 132) == G.wave_fill(256, 132)
+    assert G.wgmma_plan(1, 4096, 4096, 132) is None and G.wgmma_plan(33, 4096, 4096, 132) is None
+    assert G.wgmma_plan(8, 200, 1000, 132) is None  # K % 16
+
+
+def test_heuristic_wgmma_only_on_sm90_cuda(monkeypatch):
+    """The rule's knobs on an sm_90 CUDA device while WGMMA_RULE; nothing on the CPU, on other GPUs, with the switch
+    off, or without a plan (M = 1 / above 32 rows)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
+    monkeypatch.setattr(G, "_sm90", lambda index: True)
+    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == dict(wgmma=4, split_k=2, block_n=64, num_stages=5)
+    assert G._heuristic_wgmma(16, 28672, 4096, cuda) == dict(wgmma=2, split_k=1, block_n=64)
+    assert G._heuristic_wgmma(1, 4096, 7168, cuda) == {} and G._heuristic_wgmma(40, 4096, 7168, cuda) == {}
+    assert G._heuristic_wgmma(16, 4096, 7168, torch.device("cpu")) == {}
+    monkeypatch.setattr(G, "WGMMA_RULE", False)
+    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == {}
+    monkeypatch.setattr(G, "WGMMA_RULE", True)
+    monkeypatch.setattr(G, "_sm90", lambda index: False)
+    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == {}
+
+
+@pytest.mark.parametrize("opt_out", [{}, {"sliced": False}, {"wgmma": False}])
+@pytest.mark.parametrize("usable", [True, False])
+def test_heuristic_wgmma_dispatch_and_fallback(monkeypatch, usable, opt_out):
+    """Without knobs or entry, a 12-row call runs the rule's wgmma plan (splits, groups per stage, stages); where the
+    kernel cannot run, or with wgmma=False, the split rule's own split-K call (its split count, not the plan's)."""
+    plan = dict(wgmma=4, split_k=3, block_n=64, num_stages=5)
+    monkeypatch.setattr(G, "_heuristic_wgmma", lambda m, n, k, d: dict(plan) if m <= 32 else {})
+    monkeypatch.setattr(GW, "usable", lambda *a: usable)
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
+    monkeypatch.setattr(G, "_reduce", lambda *a, **kw: None)
+    launched, split = [], _Launch()
+    monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw.get("splits"), kw.get("swap"))))
+    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(G, "_launch_sliced", lambda *a, **kw: split.calls.append(("sliced", a, kw)))
+    x, xs, w, ws = _operands(m=12, n=512, k=4096)
+    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
+    if usable and not opt_out.get("wgmma") is False:
+        assert launched == [((64, 5, 4), 3, True)] and not split.calls
+    else:
+        want = G._plan_split(12, 512, 32, 16, 64, x.device, None)[0]
+        assert not launched and want != 3
+        grid, _, meta = split.calls[0]
+        assert grid == (512 // 64, 1, want) and meta["BN"] == 64
+
+
+def test_the_wgmma_rule_scores_as_measured_on_the_committed_sweeps():
+    """benchmarks/split_rule_eval.py --wgmma on session 21's four H200 sweeps: the rule's pick is within 3% of the
+    best variant and at least 10% faster than the split-K heuristic (geometric means), at worst 12% slower than it; a
+    rule whose picks the sweeps did not time fails here."""
+    from benchmarks import split_rule_eval as E
+
+    for path in E.WGMMA_DEFAULT:
+        sms, rows = E.read_sweep(path)
+        assert sms == 132 and len(rows) >= 36
+        s = E.score_wgmma(sms, rows, path)
+        assert s["best"]["all"] < 1.03 and s["prod"]["all"] < 0.9 and s["worst"]["prod"][0] < 1.12
+    with pytest.raises(ValueError, match="no time for the rule's pick"):
+        E.score_wgmma(132, {(4096, 7168, 16, 16): {"prod": 1.0, "w1g2n5": 1.0}}, Path("sweep.txt"))
+
+
 def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
     """benchmarks/split_rule_eval.py on session 14's H200 sweep: the rule in the code picks within 6% of the best
     variant (geometric mean over 63 points, each tile height within 6%) and beats the old 2-per-SM rule; changing

@@ -306,3 +306,39 @@ def test_every_wgmma_entry_runs_the_kernel_with_split_k_bits(spy, monkeypatch, k
         tri = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, s_eff, block_n=64,
                               fused_reduce=True, sliced=False, wgmma=False)
         assert torch.equal(out.view(torch.int32), tri.view(torch.int32)), (key, m)
+
+
+@pytest.mark.parametrize("nk", [(1536, 8960), (3584, 4096), (5120, 3072), (8192, 2048), (4096, 7168), (2048, 11008)])
+def test_the_wgmma_rule_runs_shapes_without_an_entry(spy, monkeypatch, nk):
+    """A decode call (M 2-32) on a shape without a DECODE_CONFIGS entry launches the Gluon kernel with `wgmma_plan`'s
+    stages: within TOL of the fp32 reference (bf16 with a bias too), the same bits twice, and the split-K kernel's bits
+    where that kernel can run the plan's K partition. WGMMA_RULE off: no launch (the split-K heuristic)."""
+    from engine.kernels import gemm_wgmma as GW
+    from engine.kernels import sm_count
+
+    n, k = nk
+    kb = -(-k // 128)
+    sms = sm_count(torch.device("cuda"))
+    for m in (2, 5, 12, 24, 32):
+        assert (spy._device_name("cuda", torch.cuda.current_device()), n, k, spy._tiles(m)[0]) not in \
+            spy.DECODE_CONFIGS
+        splits, gps, stages = spy.wgmma_plan(m, n, k, sms)
+        xd, xs, wd, ws = _block_operands(m, n, k, seed=m + n + k)
+        spy.calls.clear()
+        out = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert spy.calls == [(64, stages or GW.swap_stages(m, kb, splits, gps))], (nk, m)
+        ref = spy.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
+        assert _rel(out, ref) <= TOL[torch.float32], (nk, m)
+        assert torch.equal(out.view(torch.int32), spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+                           .view(torch.int32))
+        bias = torch.randn(n, device="cuda")
+        bf = spy.fp8_block_linear(xd, xs, wd, ws, bias, out_dtype=torch.bfloat16)
+        assert _rel(bf.float(), ref + bias) <= TOL[torch.bfloat16], (nk, m)
+        if -(-kb // splits) == GW.split_plan(kb, splits, gps)[1]:
+            tri = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, splits, block_n=64,
+                                  fused_reduce=True, sliced=False, wgmma=False)
+            assert torch.equal(out.view(torch.int32), tri.view(torch.int32)), (nk, m)
+    monkeypatch.setattr(spy, "WGMMA_RULE", False)
+    spy.calls.clear()
+    off = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    assert spy.calls == [] and _rel(off, ref) <= TOL[torch.float32]

@@ -799,6 +799,32 @@ DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce",
 # rows TMA cannot read) BM 64 takes the split rule.
 SPLIT_FILL = 0.9
 WHOLE_K_AT_BM64 = True
+# The decode rule on sm_90 for shapes without an entry, M 2-32 (BM 16 / 32): the swapped Gluon wgmma kernel (the
+# H200's Llama-3-8B entries above), its split count, groups per stage and stages from `wgmma_plan`. Measured on session
+# 21's four H200 sweeps (benchmarks/results/h200-2026-11-30-session21/probe_wgmma_split*.txt: 57 shapes N 1280-151936
+# x K 2048-28672 at M = 4 / 16 / 32, split counts 1-8 with 2 / 4 groups per stage, us per call in a CUDA graph over
+# weight copies; `benchmarks/split_rule_eval.py --wgmma` scores it). Fitted on all four: per sweep 1.013-1.026x the
+# best variant and 0.85-0.88x the split-K heuristic's time (geometric means). The fourth sweep, held out from the
+# rule's first form, scored it 1.041x / 0.873x.
+# - Weights of at least WGMMA_RULE_WIDE x SMs 64-row tiles take one split (the fewest the scale table allows): 6144- to
+#   151936-row weights ran up to 34% faster than with the split-K heuristic.
+# - Narrower ones, at most WGMMA_RULE_MAX_SPLITS splits: with 8 activation rows (M <= 8) K splits until the programs
+#   fill WGMMA_RULE_FILL8 per SM, each split keeping >= WGMMA_RULE_MIN_GROUPS8 128-groups (2048x2048, 3072x2048: one
+#   split 16-32% faster than four); with 16 / 32 rows the split count whose programs fill the SMs' last wave best
+#   (fewest on a tie: 64 tiles take 2 splits, not 4; 80 tiles 3), each keeping >= WGMMA_RULE_MIN_GROUPS (4096x4096:
+#   one split 3-9% faster than two).
+# - Stages: where every program has an SM to itself, the deepest pipeline (<= WGMMA_RULE_MAX_STAGES) with 2 groups per
+#   stage at 8 rows, 4 at 16 / 32; else `gemm_wgmma.swap_stages` with 2.
+# Known misses, slower than the split-K heuristic: 19456x2560 by 3-11% (304 tiles: 1.15 waves of two programs per SM),
+# 4096x4096 at M = 4 by 11% (the H200 has an entry), 1280x8192 at M = 16 / 32 by 3-4%. WGMMA_RULE = False: the split-K
+# heuristic (`_split_k`), as before session 21.
+WGMMA_RULE = True
+WGMMA_RULE_WIDE = 0.7
+WGMMA_RULE_FILL8 = 2.0
+WGMMA_RULE_MAX_SPLITS = 4
+WGMMA_RULE_MIN_GROUPS = 20
+WGMMA_RULE_MIN_GROUPS8 = 10
+WGMMA_RULE_MAX_STAGES = 8
 # The MX kernel's split rule by tile height BM: (programs per SM to fill, at least this many splits), measured as a
 # decode step runs it (CUDA graph over weight copies, `probe_kernels.py --only mx_split`: 6 shapes x M = 1 / 4 / 16 / 32
 # x 1-16 splits; `split_rule_eval.py --mx`), pick / best split, geometric mean per pair:
@@ -1046,6 +1072,69 @@ def _heuristic_whole_k(m: int, n: int, device: torch.device) -> dict[str, Any]:
     return {}
 
 
+def wgmma_plan(m: int, n: int, k: int, sms: int) -> Optional[tuple[int, int, Optional[int]]]:
+    """(K splits, groups per stage, stages or None for `gemm_wgmma.swap_stages`' default) of the swapped wgmma kernel
+    for an M x N x K decode call on `sms` SMs, by the rule at WGMMA_RULE; None where it has no plan (M outside 2-32, or
+    no configuration fits)."""
+    rows = gw.x_rows(m, True)
+    if m < 2 or rows > 32:
+        return None
+    tiles, kb = _cdiv(n, 64), _cdiv(k, GROUP)
+
+    def exact(s: int, gps: int = 2) -> bool:  # s splits as asked, each within the scale table, none trivially short
+        got, per = gw.split_plan(kb, s, gps)
+        return got == s and per <= gw.MAX_GROUPS and (s == 1 or per >= 4)
+
+    fewest = next((s for s in range(1, kb + 1) if exact(s)), None)
+    if fewest is None:
+        return None
+    splits = fewest
+    if tiles < WGMMA_RULE_WIDE * sms:
+        tried = [s for s in range(fewest, max(fewest, WGMMA_RULE_MAX_SPLITS) + 1) if exact(s)]
+        if rows == 8:
+            splits = max((s for s in tried if tiles * s <= WGMMA_RULE_FILL8 * sms
+                          and (s == fewest or kb / s >= WGMMA_RULE_MIN_GROUPS8)), default=fewest)
+        else:
+            tried = [s for s in tried if s == fewest or kb / s >= WGMMA_RULE_MIN_GROUPS]
+            splits = min(tried, key=lambda s: (-round(wave_fill(tiles * s, sms), 9), s))
+    gps, stages = 2, None
+    if tiles * splits <= sms:  # one program per SM: the deepest pipeline that fits
+        for g in ((2,) if rows == 8 else (4, 2)):
+            s_eff, per = gw.split_plan(kb, splits, g)
+            deep = [st for st in range(2, WGMMA_RULE_MAX_STAGES + 1) if st <= _cdiv(per, g)
+                    and gw.plan_error(m, n, k, 64, st, g, s_eff, True) is None]
+            if deep:
+                gps, stages, splits = g, max(deep), s_eff
+                break
+    if gw.plan_error(m, n, k, 64, stages or gw.swap_stages(m, kb, splits, gps), gps, splits, True) is not None:
+        return None
+    return splits, gps, stages
+
+
+def wave_fill(programs: int, sms: int) -> float:
+    """How full the SMs' waves of `programs` one-per-SM programs are: programs / (SMs x waves)."""
+    return programs / (sms * _cdiv(programs, sms))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    """Compute capability 9.0 exactly (the wgmma kernels' target)."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _heuristic_wgmma(m: int, n: int, k: int, device: torch.device) -> dict[str, Any]:
+    """The wgmma knobs the rule picks for a call without knobs or entry (`wgmma_plan`, while WGMMA_RULE, on an sm_90
+    CUDA device); else {}. Where the kernel cannot run the call, the caller takes the split rule instead."""
+    if not (WGMMA_RULE and device.type == "cuda" and
+            _sm90(device.index if device.index is not None else torch.cuda.current_device())):
+        return {}
+    plan = wgmma_plan(m, n, k, sm_count(device))
+    if plan is None:
+        return {}
+    splits, gps, stages = plan
+    return dict(wgmma=gps, split_k=splits, block_n=64, **({} if stages is None else {"num_stages": stages}))
+
+
 def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
                  round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
@@ -1187,8 +1276,12 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs)
     opt_outs = _opt_outs(cfg)
-    auto_whole_k = {} if cfg != opt_outs else _heuristic_whole_k(m, n, x.device)
-    cfg = dict(cfg, **auto_whole_k)
+    auto = {}
+    if cfg == opt_outs:  # neither knobs nor an entry: the heuristic's kernel
+        auto = _heuristic_whole_k(m, n, x.device)
+        if not auto and opt_outs.get("wgmma") is not False:
+            auto = _heuristic_wgmma(m, n, k, x.device)
+    cfg = dict(cfg, **auto)
     if cfg.get("whole_k"):
         wbn = cfg.get("block_n") or gw.BLOCK_N
         gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
@@ -1198,7 +1291,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
             return out
         # not here (device / layout / shape): the heuristic's split-K call, or for an explicit whole_k the same
         # math in the split-K kernel (one split: the same bits on the H200)
-        cfg = opt_outs if auto_whole_k else dict(cfg, split_k=1)
+        cfg = opt_outs if auto else dict(cfg, split_k=1)
     if cfg.get("sliced") and not isinstance(cfg["sliced"], bool):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, cfg["sliced"],
                        cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"))
@@ -1215,6 +1308,9 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         if _launch_wgmma(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, gps, splits,
                          cfg.get("num_stages")):
             return out
+        if auto:  # the rule's kernel cannot run here: the split rule's own call
+            cfg = opt_outs
+            splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, None)
     if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, splits, None, 4,
                        cfg.get("num_stages"), per)

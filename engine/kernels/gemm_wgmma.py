@@ -10,7 +10,8 @@ K split s (all of K with one split). Two orientations:
   split, no reduce: the default at BM 64 (M 33-64), where all 64 activation rows are real;
 * ``swap``: 64 weight rows on the M side and the activation rows on the N side (M rounded up to 8 / 16 / 32 / 64),
   with ``splits`` K splits whose partials the last split of each tile sums (the split-K kernel's fused reduce) --
-  ``fp8_block_gemm_triton(..., wgmma=True, split_k=S)``, the H200's BM-16 entries for the big decode shapes.
+  ``fp8_block_gemm_triton(..., wgmma=True, split_k=S)``: the H200's BM-16 / BM-32 entries for the Llama-3-8B decode
+  shapes, and on sm_90 every decode call (M 2-32) without an entry, planned by ``engine.kernels.gemm.wgmma_plan``.
 
 The loop:
 
@@ -44,6 +45,9 @@ Measured (H200):
   (`engine.kernels.gemm.reduce_burst`): 4096x14336 at M = 4 one call 21.5 -> 20.6 us. With 32 activation rows the
   kernel also serves the H200's BM-32 entries (M 17-32; probe_wgmma_sweep32.txt): the Llama-3-8B decode step at
   batch 24 / 32 is 10% / 13% faster.
+* session 21 (benchmarks/results/h200-2026-11-30-session21/): on 57 decode shapes without an entry, the rule's plan
+  (`engine.kernels.gemm.wgmma_plan`) takes 0.85-0.88x the split-K heuristic's time per sweep (geometric means, CUDA
+  graph); a Qwen2.5-7B-shaped decode step at batch 4 / 16 / 32 is 2% / 2% / 8% faster.
 """
 
 from __future__ import annotations
