@@ -2650,6 +2650,7 @@ def probe_wgmma_split(copy_tbs: float, shapes=None, ms=(4, 16, 32)) -> None:
         for m in ms:
             xd, xs, _, _ = fp8_block_operands(m, 16, k, seed=m)
             bm = G._tiles(m)[0]
+
             def prod(xd=xd, xs=xs, wts=wts):
                 return graph_us([lambda w=w: G.fp8_block_linear(xd, xs, *w, out_dtype=bf) for w in wts])
 
