@@ -215,11 +215,12 @@ def test_wgmma_plan_keeps_its_rule(m, nk):
         assert (gps, stages) == (2, None)
 
 
-def test_wgmma_plan_examples():
+def test_wgmma_plan_examples(monkeypatch):
     """Worked examples of the rule (132 SMs): wide weights one split; 64 tiles at 8 rows 4 splits (2 per SM), at 16
     rows 2 (one full wave; 4 fill two as well) with 4 groups x 5 stages, but one split where two would leave 16 groups
     each; 80 tiles 3 splits (240 programs: 91% of two waves) where K has the groups; a K whose scale table needs 2
-    splits gets them; no plan for M = 1, above 32 rows, or a K the kernel's TMA cannot read."""
+    splits gets them; no plan for M = 1, above 32 rows, or a K the kernel's TMA cannot read. A changed constant
+    changes the (memoized) plan."""
     assert G.wgmma_plan(4, 8192, 4096, 132) == (1, 2, 8)
     assert G.wgmma_plan(16, 28672, 4096, 132) == (1, 2, None)
     assert G.wgmma_plan(4, 4096, 7168, 132) == (4, 2, None)
@@ -231,6 +232,8 @@ def test_wgmma_plan_examples():
     assert G.wave_fill(240, 132) == pytest.approx(240 / 264) and G.wave_fill(128, 132) == G.wave_fill(256, 132)
     assert G.wgmma_plan(1, 4096, 4096, 132) is None and G.wgmma_plan(33, 4096, 4096, 132) is None
     assert G.wgmma_plan(8, 200, 1000, 132) is None  # K % 16
+    monkeypatch.setattr(G, "WGMMA_RULE_FILL8", 1.0)  # the memo is keyed by the rule's constants too
+    assert G.wgmma_plan(4, 4096, 7168, 132)[0] == 2
 
 
 def test_heuristic_wgmma_only_on_sm90_cuda(monkeypatch):

@@ -1075,10 +1075,20 @@ def _heuristic_whole_k(m: int, n: int, device: torch.device) -> dict[str, Any]:
 def wgmma_plan(m: int, n: int, k: int, sms: int) -> Optional[tuple[int, int, Optional[int]]]:
     """(K splits, groups per stage, stages or None for `gemm_wgmma.swap_stages`' default) of the swapped wgmma kernel
     for an M x N x K decode call on `sms` SMs, by the rule at WGMMA_RULE; None where it has no plan (M outside 2-32, or
-    no configuration fits)."""
+    no configuration fits). Memoized per activation-row class (8 / 16 / 32 rows) and rule constants: a call costs a
+    dict lookup, not the ~25 us of planning."""
     rows = gw.x_rows(m, True)
     if m < 2 or rows > 32:
         return None
+    return _wgmma_plan(rows, n, k, sms, (WGMMA_RULE_WIDE, WGMMA_RULE_FILL8, WGMMA_RULE_MAX_SPLITS,
+                                         WGMMA_RULE_MIN_GROUPS, WGMMA_RULE_MIN_GROUPS8, WGMMA_RULE_MAX_STAGES))
+
+
+@functools.lru_cache(maxsize=4096)
+def _wgmma_plan(rows: int, n: int, k: int, sms: int, rule: tuple) -> Optional[tuple[int, int, Optional[int]]]:
+    """`wgmma_plan` for `rows` activation rows (the kernel's tile for every M it rounds up to rows) under the rule
+    constants `rule`."""
+    wide, fill8, max_splits, min_groups, min_groups8, max_stages = rule
     tiles, kb = _cdiv(n, 64), _cdiv(k, GROUP)
 
     def exact(s: int, gps: int = 2) -> bool:  # s splits as asked, each within the scale table, none trivially short
@@ -1089,24 +1099,24 @@ def wgmma_plan(m: int, n: int, k: int, sms: int) -> Optional[tuple[int, int, Opt
     if fewest is None:
         return None
     splits = fewest
-    if tiles < WGMMA_RULE_WIDE * sms:
-        tried = [s for s in range(fewest, max(fewest, WGMMA_RULE_MAX_SPLITS) + 1) if exact(s)]
+    if tiles < wide * sms:
+        tried = [s for s in range(fewest, max(fewest, max_splits) + 1) if exact(s)]
         if rows == 8:
-            splits = max((s for s in tried if tiles * s <= WGMMA_RULE_FILL8 * sms
-                          and (s == fewest or kb / s >= WGMMA_RULE_MIN_GROUPS8)), default=fewest)
+            splits = max((s for s in tried if tiles * s <= fill8 * sms and (s == fewest or kb / s >= min_groups8)),
+                         default=fewest)
         else:
-            tried = [s for s in tried if s == fewest or kb / s >= WGMMA_RULE_MIN_GROUPS]
+            tried = [s for s in tried if s == fewest or kb / s >= min_groups]
             splits = min(tried, key=lambda s: (-round(wave_fill(tiles * s, sms), 9), s))
     gps, stages = 2, None
     if tiles * splits <= sms:  # one program per SM: the deepest pipeline that fits
         for g in ((2,) if rows == 8 else (4, 2)):
             s_eff, per = gw.split_plan(kb, splits, g)
-            deep = [st for st in range(2, WGMMA_RULE_MAX_STAGES + 1) if st <= _cdiv(per, g)
-                    and gw.plan_error(m, n, k, 64, st, g, s_eff, True) is None]
+            deep = [st for st in range(2, max_stages + 1) if st <= _cdiv(per, g)
+                    and gw.plan_error(rows, n, k, 64, st, g, s_eff, True) is None]
             if deep:
                 gps, stages, splits = g, max(deep), s_eff
                 break
-    if gw.plan_error(m, n, k, 64, stages or gw.swap_stages(m, kb, splits, gps), gps, splits, True) is not None:
+    if gw.plan_error(rows, n, k, 64, stages or gw.swap_stages(rows, kb, splits, gps), gps, splits, True) is not None:
         return None
     return splits, gps, stages
 
