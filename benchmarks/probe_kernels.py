@@ -2592,12 +2592,12 @@ STAGE_CHECK = ((37888, 3584), (3584, 18944), (5120, 5120), (27648, 5120), (5120,
                (8192, 28672), (3072, 8192), (2560, 9728), (12288, 4096), (128256, 4096), (151936, 2048))
 
 
-# Shapes held out of the wgmma rule's fit (`--only wgmma_split_check2`): Mistral-Nemo-12B, Qwen3-8B / 14B, Gemma-2-9B,
-# Qwen2.5-1.5B / 3B / 7B, Llama-3.2-3B projections.
+# Model shapes for the wgmma rule (`--only wgmma_split_check2`; held out from its first form): Mistral-Nemo-12B,
+# Qwen3-8B / 14B, Gemma-2-9B, Qwen2.5-1.5B / 3B / 7B, Llama-3.2-3B projections.
 WGMMA_CHECK = ((5120, 14336), (28672, 5120), (6144, 5120), (5120, 4096), (24576, 4096), (4096, 12288), (5120, 17408),
                (7168, 5120), (3584, 14336), (8192, 3584), (3584, 4096), (1536, 8960), (2048, 11008), (5120, 3072),
                (3072, 3072), (4608, 3584), (3584, 3584))
-# Shapes no sweep had when the rule was last refitted (`--only wgmma_split_check3`): Llama-3-70B's MLP and qkv over 8
+# More model shapes (`--only wgmma_split_check3`; held out from the rule's second form): Llama-3-70B's MLP and qkv over 8
 # GPUs, Phi-3-mini, Gemma-2-2B, Qwen2.5-32B's down, Qwen3-4B, DeepSeek-V2-Lite's q and o, square 2048 / 2560.
 WGMMA_CHECK3 = ((1280, 8192), (7168, 8192), (9216, 3072), (16384, 3072), (2304, 9216), (5120, 27648), (6144, 2560),
                 (19456, 2560), (3072, 2048), (2048, 2048), (2560, 2560), (4096, 2304))
@@ -2636,8 +2636,8 @@ def probe_wgmma_split(copy_tbs: float, shapes=None, ms=(4, 16, 32)) -> None:
     heuristic) and with it (`rule`, where `gemm.WGMMA_RULE` is on), per call in a CUDA graph of 64 calls over weight
     copies (bf16 out). Variants `w{splits}g{groups per stage}n{stages}` as `_wgmma_split_configs`; rows in
     `benchmarks/split_rule_eval.py`'s format, which scores the rule (`--wgmma`). Shapes: STAGE_GRID (default),
-    STAGE_CHECK (`wgmma_split_check`), WGMMA_CHECK (`wgmma_split_check2`; the three fitted the rule), WGMMA_CHECK3
-    (`wgmma_split_check3`: held out)."""
+    STAGE_CHECK (`wgmma_split_check`), WGMMA_CHECK (`wgmma_split_check2`), WGMMA_CHECK3 (`wgmma_split_check3`); the
+    final rule is fitted on all four."""
     from engine.kernels import gemm as G
 
     bf = torch.bfloat16
