@@ -2597,8 +2597,8 @@ STAGE_CHECK = ((37888, 3584), (3584, 18944), (5120, 5120), (27648, 5120), (5120,
 WGMMA_CHECK = ((5120, 14336), (28672, 5120), (6144, 5120), (5120, 4096), (24576, 4096), (4096, 12288), (5120, 17408),
                (7168, 5120), (3584, 14336), (8192, 3584), (3584, 4096), (1536, 8960), (2048, 11008), (5120, 3072),
                (3072, 3072), (4608, 3584), (3584, 3584))
-# More model shapes (`--only wgmma_split_check3`; held out from the rule's second form): Llama-3-70B's MLP and qkv over 8
-# GPUs, Phi-3-mini, Gemma-2-2B, Qwen2.5-32B's down, Qwen3-4B, DeepSeek-V2-Lite's q and o, square 2048 / 2560.
+# More model shapes (`--only wgmma_split_check3`; held out from the rule's second form): Llama-3-70B's MLP and qkv
+# over 8 GPUs, Phi-3-mini, Gemma-2-2B, Qwen2.5-32B's down, Qwen3-4B, DeepSeek-V2-Lite's q and o, square 2048 / 2560.
 WGMMA_CHECK3 = ((1280, 8192), (7168, 8192), (9216, 3072), (16384, 3072), (2304, 9216), (5120, 27648), (6144, 2560),
                 (19456, 2560), (3072, 2048), (2048, 2048), (2560, 2560), (4096, 2304))
 
