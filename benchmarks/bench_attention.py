@@ -34,8 +34,8 @@ def bench_ms(fn, rep: int = 50) -> float:
     """Median milliseconds per call on the GPU: `benchmarks.bench_gemm.time_us` (CUDA events around each
     call, L2 flushed before each, and the host held back first so that the call's own host work -- the
     wrapper's argument checks and small copies, 0.3-0.6 ms here -- is not what gets timed). The plain
-    triton.testing.do_bench timed that host work once kernels got shorter than it (session 8: the FP8 decode
-    at 0.17 ms measured 0.6 ms)."""
+    triton.testing.do_bench times that host work once kernels get shorter than it (H200, 2026-11-29: the FP8
+    decode at 0.17 ms measured 0.6 ms)."""
     from benchmarks.bench_gemm import time_us
 
     return time_us(fn, reps=rep) / 1e3

@@ -22,7 +22,8 @@ path (`critical_path`); `--pdl both` also times the runtime without
 programmatic dependent launch (rows tagged -nopdl). `--decode-configs FILE` adds measured decode-GEMM
 configs (`DECODE_CONFIGS` entries as JSON, e.g. `probe_kernels.py --only decode_graph`'s output) for the run,
 to try them in a whole decode step before committing them; `e2e_before.py PRESET` runs this benchmark with an
-earlier session's kernel settings (the sessions 3-13 decode-GEMM heuristic, session 16's MX path).
+earlier kernel setting patched in (e.g. the 2-programs-per-SM decode-GEMM heuristic, the gathered-scale MX path), the
+"before" side of an A/B.
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """
@@ -46,8 +47,8 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-# A dense model whose decode GEMMs have no DECODE_CONFIGS entry (session 21's wgmma rule): Qwen2.5-7B's shapes (qkv
-# 4608x3584 with bias, o 3584x3584, gate+up 37888x3584, down 3584x18944, lm_head 152064x3584).
+# A dense model whose decode GEMMs have no DECODE_CONFIGS entry (they run the sm_90 wgmma rule): Qwen2.5-7B's shapes
+# (qkv 4608x3584 with bias, o 3584x3584, gate+up 37888x3584, down 3584x18944, lm_head 152064x3584).
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
              "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,

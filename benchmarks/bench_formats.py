@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_formats.py            # prints and writes
-                                                  # benchmarks/results/formats_cpu.txt
+                                                  # benchmarks/results/cpu-<date>/bench_formats.txt
     python benchmarks/bench_formats.py --quick    # smaller shapes (smoke test)
 
 Part 1: MSE and SQNR (dB) of each spec on Gaussian and heavy-tailed
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "formats_cpu.txt"))
+                                                  time.strftime("cpu-%Y-%m-%d", time.gmtime()), "bench_formats.txt"))
     args = ap.parse_args(argv)
     shape = (128, 512) if args.quick else (1024, 4096)
     ks = KS[:2] if args.quick else KS

@@ -1,6 +1,8 @@
 """Benchmark the fused quant kernels on the GPU: achieved TB/s vs the HBM copy bandwidth measured in the same run.
 
-    python benchmarks/bench_quant_kernels.py [--rows 16384 --k 7168] [--out benchmarks/results/...txt]
+    python benchmarks/bench_quant_kernels.py [--rows 16384 --k 7168] [--out FILE]
+
+(`benchmarks/run_device.sh bench` writes FILE as `benchmarks/results/<hw>-<date>/bench_quant_kernels.txt`.)
 
 Prints the hardware fingerprint, the measured copy ceiling (torch clone of a
 large buffer, read + write), and for each kernel the time, the bytes moved
@@ -9,10 +11,9 @@ torch path (formats library) that the kernel replaces.
 
 Timing: `benchmarks.bench_gemm.time_us` (median of CUDA-event reps, L2 flushed
 before each, host time shielded). Every kernel is timed after a dirty flush
-(a 256 MiB write: the call also pays the write-back of ~50 MB of L2 lines it
-never wrote; the method of every table up to session 8, and the TB/s shown
-first) and after a clean one (a 256 MiB read). Up to session 8 this script
-timed with `triton.testing.do_bench`, whose flush is also a write.
+(a 256 MiB write, as `triton.testing.do_bench` flushes: the call also pays the
+write-back of ~50 MB of L2 lines it never wrote; the TB/s shown first) and after
+a clean one (a 256 MiB read).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""GPU check (session 14): the split-K decode kernel's autotuner tunes each split count of a shape separately.
+"""GPU check: the split-K decode kernel's autotuner tunes each split count of a shape separately.
 
     python benchmarks/check_autotune_keys.py
 
 Calls 4096x14336 at M = 4 with split_k = 2 and 4 (no other knobs) under `DECODE_STAGE_CHOICE = "autotune"` (the
-default since session 16 is the stage rule) and prints the autotuner's cache: one entry per split count, with its
+default is the stage rule) and prints the autotuner's cache: one entry per split count, with its
 pipeline depth. Exits 1 if they share one.
 """
 

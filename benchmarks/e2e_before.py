@@ -1,22 +1,21 @@
-"""`bench_e2e.py` with the kernels' settings of an earlier session: the before side of an end-to-end A/B, in its own
+"""`bench_e2e.py` with earlier kernel settings patched in: the "before" side of an end-to-end A/B, in its own
 process (module flags are read at call time).
 
     python benchmarks/e2e_before.py PRESET [bench_e2e.py arguments]
 
-Presets:
-  split-rule-s13  the decode GEMM heuristic of sessions 3-13 (K splits until 2 programs per SM, no whole-K kernel at
-                  BM 64; session 14's A/B, whose results name this script's old name, e2e_old_split_rule.py)
-  mx-s16          the MX GEMM of session 16 (one gathered scale load per element, E2M1 by `_e2m1_to_f32`, the
-                  split-K reduce kernel, 4 programs per SM) and no MXFP8 activation kernels (MXFP8 quantization,
-                  RMSNorm and SwiGLU emulated): session 17's A/B
-  split-k-s17     decode GEMMs with 2 / 4 K splits and M <= 16 / splits on the split-K kernel and its fused reduce, not
-                  the sliced kernel (`SLICED_AUTO` off; the same bits): session 18's A/B
-  sliced-s18      the H200's BM-16 DECODE_CONFIGS entries of session 18 (split-K / sliced kernels) for the four shapes
-                  session 19 moved to the Gluon wgmma kernel: session 19's A/B
-  s19             session 19's kernels: the fused reduce loading one partial per round trip (REDUCE_BURST 1) and the
-                  split-K BM-32 DECODE_CONFIGS entries (no 7168x16384 one): session 20's A/B
-  s20             session 20's kernels: decode GEMMs without an entry on the split-K heuristic, not the sm_90 wgmma
-                  rule (`WGMMA_RULE` off): session 21's A/B
+Presets (each undoes one change of the decode path, everything else as in the code):
+  split-fill-2    the decode GEMM heuristic that splits K until 2 programs per SM and has no whole-K kernel at BM 64
+                  (`SPLIT_FILL = 2.0`, `WHOLE_K_AT_BM64 = False`)
+  mx-gather       the MX GEMM with one gathered scale load per element, E2M1 by `_e2m1_to_f32`, the split-K reduce
+                  kernel and 4 programs per SM, and no MXFP8 activation kernels (MXFP8 quantization, RMSNorm and
+                  SwiGLU emulated)
+  no-sliced       decode GEMMs with 2 / 4 K splits and M <= 16 / splits on the split-K kernel and its fused reduce, not
+                  the sliced kernel (`SLICED_AUTO` off; the same bits)
+  bm16-split-k    split-K / sliced BM-16 DECODE_CONFIGS entries on the H200 for the four shapes whose entries now run
+                  the Gluon wgmma kernel (4096x14336, 6144x4096, 7168x16384, 28672x4096)
+  bm32-split-k    the fused reduce loading one partial per round trip (`REDUCE_BURST = 1`) and split-K BM-32
+                  DECODE_CONFIGS entries on the H200 (none for 7168x16384)
+  no-wgmma-rule   decode GEMMs without an entry on the split-K heuristic, not the sm_90 wgmma rule (`WGMMA_RULE` off)
 """
 
 from __future__ import annotations
@@ -30,22 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.kernels import gemm, quant  # noqa: E402
 
 
-def _split_rule_s13() -> None:
+def _split_fill_2() -> None:
     gemm.SPLIT_FILL = 2.0
     gemm.WHOLE_K_AT_BM64 = False
 
 
-def _mx_s16() -> None:
+def _mx_gather() -> None:
     gemm.MX_ROW_SCALES = gemm.MX_FP4_PTX = gemm.MX_FUSED_REDUCE = False
     gemm.MX_SPLIT_RULE = {16: (4.0, 1), 32: (4.0, 1)}
     quant.QUANT_FORMATS = ("e4m3:1x128",)  # the native backend quantizes only what the kernels write
 
 
-def _split_k_s17() -> None:
+def _no_sliced() -> None:
     gemm.SLICED_AUTO = False
 
 
-def _sliced_s18() -> None:
+def _bm16_split_k() -> None:
     old = dict(num_warps=4, fused_reduce=True, block_n=64)
     gemm.DECODE_CONFIGS.update({
         ("NVIDIA H200", 4096, 14336, 16): dict(old, split_k=4, num_stages=5),
@@ -55,7 +54,7 @@ def _sliced_s18() -> None:
     })
 
 
-def _s19() -> None:
+def _bm32_split_k() -> None:
     gemm.REDUCE_BURST = 1
     old = dict(fused_reduce=True, block_n=64)
     gemm.DECODE_CONFIGS.pop(("NVIDIA H200", 7168, 16384, 32), None)
@@ -67,12 +66,12 @@ def _s19() -> None:
     })
 
 
-def _s20() -> None:
+def _no_wgmma_rule() -> None:
     gemm.WGMMA_RULE = False
 
 
-PRESETS = {"split-rule-s13": _split_rule_s13, "mx-s16": _mx_s16, "split-k-s17": _split_k_s17,
-           "sliced-s18": _sliced_s18, "s19": _s19, "s20": _s20}
+PRESETS = {"split-fill-2": _split_fill_2, "mx-gather": _mx_gather, "no-sliced": _no_sliced,
+           "bm16-split-k": _bm16_split_k, "bm32-split-k": _bm32_split_k, "no-wgmma-rule": _no_wgmma_rule}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in PRESETS:

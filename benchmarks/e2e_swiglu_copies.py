@@ -1,6 +1,6 @@
-"""`bench_e2e.py` with the SwiGLU+quant inputs copied to contiguous tensors first, as the native backend did up to
-session 14 (two copy kernels per layer, `gate.contiguous()` / `up.contiguous()` of the stacked gate/up GEMM's
-output halves): the before side of session 15's A/B. Same process, same code otherwise.
+"""`bench_e2e.py` with the SwiGLU+quant inputs copied to contiguous tensors first (two copy kernels per layer,
+`gate.contiguous()` / `up.contiguous()` of the stacked gate/up GEMM's output halves) instead of read in place: the
+"before" side of that A/B. Same process, same code otherwise.
 
     python benchmarks/e2e_swiglu_copies.py [bench_e2e.py arguments]
 """
@@ -23,5 +23,5 @@ def _copied(gate, up, *args, **kwargs):
 
 
 quant.swiglu_quant = _copied
-print("SwiGLU+quant inputs copied to contiguous tensors before the kernel (sessions <= 14)", flush=True)
+print("SwiGLU+quant inputs copied to contiguous tensors before the kernel (e2e_swiglu_copies.py)", flush=True)
 runpy.run_path(str(Path(__file__).resolve().parent / "bench_e2e.py"), run_name="__main__")

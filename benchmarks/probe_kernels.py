@@ -1,4 +1,4 @@
-"""Probes for issue 4's remaining kernel gaps (H200): each prints achieved vs the copy ceiling of the same run.
+"""Kernel-variant probes on the H200: each prints achieved vs the copy ceiling of the same run.
 
     python benchmarks/probe_kernels.py [--only gemm,attn,prefill,gemv,...] [--flush dirty|clean]
 
@@ -21,35 +21,35 @@
 * small: single-row (decode) latency of the quantizing kernels in a CUDA graph; SwiGLU quantization variants.
 * prefill: cuBLAS blockwise 8192^3 through `scaled_mm_blockwise` (scales padded per call) vs `F.scaled_mm`
   on scales padded once, on benchmark-style saturated operands and on small-magnitude (randn) operands.
-* gemm_gps / gemm_narrow (session 10, 4096x14336 at M = 4 / 16): the split-K kernel walking 1-4 groups per
+* gemm_gps / gemm_narrow (4096x14336 at M = 4 / 16): the split-K kernel walking 1-4 groups per
   pipeline step with plain or TMA weight loads (`_gps_probe_kernel`, production's bits); narrow MMA tiles;
   the GEMV generalized to 4 activation rows (`_gemv_m_probe_kernel`).
-* rms_warp / rms_parts / rms_occupancy (session 10, RMSNorm+quant 16384 x 7168): 1-2 warps per row in two
+* rms_warp / rms_parts / rms_occupancy (RMSNorm+quant 16384 x 7168): 1-2 warps per row in two
   chunked passes; rows as 32 + 16 + 8 group tiles (`_rms_parts_probe_kernel`); 16 / 32 warps per row with
   registers capped for 2 programs per SM.
-* gemm_floor / gemm_timeline / gemm_carveout / gemm_tail / gemm_nosplit / gemm_noswap (session 11, 4096x14336):
+* gemm_floor / gemm_timeline / gemm_carveout / gemm_tail / gemm_nosplit / gemm_noswap (4096x14336):
   what one decode call can reach (the fixed cost of a timed call, the fastest read of the weight's bytes, the
   split-K access pattern without MMA on row-major and tiled weights); per-program start / end times from
   %globaltimer; time outside the programs vs shared memory and carveout; the split-K reduce's cost and its
   handshake variants (`_gps_probe_kernel` REDUCE modes); no split-K (narrow tiles, the activation on the wgmma M
   side).
-* gemm_cluster / gemm_cluster_launch / gemm_reduce_timeline / attn_short64 (session 12): the split-K decode GEMM
+* gemm_cluster / gemm_cluster_launch / gemm_reduce_timeline / attn_short64: the split-K decode GEMM
   with each tile's splits in one thread-block cluster, reduced through distributed shared memory, vs the fused
   reduce through global memory; the cost of a cluster launch itself (empty kernel, the split-K loop alone in
   clusters) and both reduces in CUDA graphs; per-program timeline of the fused reduce (`_gps_probe_kernel`
   TIMES); paged FP8 decode attention at batch 64 x 140 tokens over warps / stages / splits / block_n.
-* gemm_early / decode_graph / split_rule / split_ab (session 14): split-K with a fixed reducer and no handshake
+* gemm_early / decode_graph / split_rule / split_ab: split-K with a fixed reducer and no handshake
   (`_early_reduce_probe_kernel`); the Llama-3-8B decode GEMMs at M = 8 / 64 in CUDA graphs over every knob (writes
   DECODE_CONFIGS entries as JSON for bench_e2e.py --decode-configs); split counts vs tile height over 21 shapes;
   2 vs 4 splits on long-K shapes.
-* gemm_wholek / gemm_wholek_rotate (session 13): the decode GEMM with no split-K through the whole-K Gluon wgmma
+* gemm_wholek / gemm_wholek_rotate: the decode GEMM with no split-K through the whole-K Gluon wgmma
   kernel (`whole_k=True`, engine/kernels/gemm_wgmma.py) over rows per program, groups per stage and stages, vs
   production and bf16 cuBLAS (bits vs `split_k=1`, CUDA-graph times of the best config); its K walk rotated per
   program vs aligned (gemm_wholek_ws: also warp-specialized, a producer warp for the TMA loads).
-* gemm_wgsplit / wgmma_sweep / wgmma_timeline (session 19): the Gluon kernel with K splits and the activation on
+* gemm_wgsplit / wgmma_sweep / wgmma_timeline: the Gluon kernel with K splits and the activation on
   the wgmma's N side (`launch(splits=S, swap=True)`): bits vs split-K, one call and CUDA graph; the sweep behind the
   BM-16 `wgmma` entries; per-program timelines.
-* reduce_burst / wgmma_sweep32 (session 20): the fused split-K reduce loading four partials per L2 round trip
+* reduce_burst / wgmma_sweep32: the fused split-K reduce loading four partials per L2 round trip
   (`gemm.REDUCE_BURST` 4 vs 1) on the production dispatch, one call and CUDA graph, bits compared; the wgmma sweep
   at BM 32 (M = 24 / 32).
 """
@@ -850,7 +850,7 @@ def _rms_probe_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, M, K, n_groups, eps, G: 
 def probe_rms(copy_tbs: float, hoist_sweep: bool = False) -> None:
     """RMSNorm+quant 16384 x 7168 bf16 (persistent kernel): the cost of the fast division's domain check (CHECK 1:
     a CTA-wide check and branch per row, as in `_quant_groups`; production defers it, see
-    `_rmsnorm_quant_persistent_kernel`), of the IEEE division, and (hoist_sweep: the session-7 first run) of
+    `_rmsnorm_quant_persistent_kernel`), of the IEEE division, and (hoist_sweep) of
     holding the weight in registers, over warps / programs per SM / stages. TB/s of bytes moved (x read, FP8 +
     scales written); the production wrapper's defaults first. Bits vs production printed."""
     import triton.testing
@@ -901,14 +901,14 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
     production's for the same split when groups_per_split % GPS == 0. The next step's GPS scales are loaded one
     step ahead as a vector and picked by a one-hot sum (exact).
 
-    REDUCE (session 11), the split-K handshake: 0 production up to session 10 (partials by tl.store, acq_rel
-    arrival atomic, acq_rel counter reset); 1 the same with the reset a plain store (production since session 11);
+    REDUCE, the split-K handshake: 0 partials by tl.store, an acq_rel arrival atomic and an acq_rel counter reset;
+    1 the same with the reset a plain store (production);
     2 relaxed stores from the accumulator's registers into a PENDING_BITS workspace, a relaxed arrival (no fence),
     the last split polls the partials until none reads PENDING_BITS and restores the pattern; 3 as 2 with the
     partials stored / polled by tl.store / volatile tl.load (Triton's coalescing layout). Modes 2 / 3 write the
-    number of polling passes of each tile to dbg_ptr. Mode 4 (session 12): partials only, no reduce.
+    number of polling passes of each tile to dbg_ptr. Mode 4: partials only, no reduce.
 
-    TIMES (session 12, modes 1 and 4): program p = (split, tile) writes t_ptr[p] = (start, loop end, end,
+    TIMES (modes 1 and 4): program p = (split, tile) writes t_ptr[p] = (start, loop end, end,
     SM, 1 if it summed its tile) in %globaltimer ns; the loop end is read after its partial store and a barrier."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -990,7 +990,7 @@ def _gps_probe_kernel(w_desc, x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, c
             tl.store(dbg_ptr + tile, passes)
             tl.store(out_ptr + idx, tot, mask=mask)
 
-# Split-K handshake modes 2 / 3 of `_gps_probe_kernel` (session 11, not adopted): partials live in a workspace that
+# Split-K handshake modes 2 / 3 of `_gps_probe_kernel` (not in production): partials live in a workspace that
 # holds this fp32 NaN pattern where no partial is pending (GPU arithmetic returns the canonical NaN 0x7FFFFFFF, and a
 # program storing the pattern stores that instead), so the last split can poll for partials that have not landed.
 PENDING_BITS = tl.constexpr(0x7FBADBAD)
@@ -1381,7 +1381,7 @@ def probe_rms_occupancy(copy_tbs: float) -> None:
         _rms_report(f"w{warps} pps{pps} s{stages} maxnreg={maxr}", run, (ref_d, ref_s), nbytes)
 
 
-# ---------------------------------------------------------------- session 11: what a single decode call can reach
+# ---------------------------------------------------------------- what a single decode call can reach
 @triton.jit
 def _now(dep):
     """%globaltimer (ns) as int64; dep (any scalar) only orders the read after it. CUDA only."""
@@ -1709,7 +1709,7 @@ def probe_gemm_timeline(copy_tbs: float, m: int = 4) -> None:
 
 
 def probe_wgmma_timeline(copy_tbs: float) -> None:
-    """Session 19: 4096x14336, the Gluon wgmma kernel with K splits (`gemm_wgmma.launch(splits=S, swap=True)`, its
+    """4096x14336, the Gluon wgmma kernel with K splits (`gemm_wgmma.launch(splits=S, swap=True)`, its
     TIMES build) timed as `time_us` (one call after a clean flush), next to the pure-read access pattern and the
     split-K MMA loop of `probe_gemm_timeline`: per program %globaltimer at its start, when its first stage has arrived,
     after its loop and at its end (us from the first program's start; p50 / max over programs)."""
@@ -1860,7 +1860,7 @@ def probe_gemm_tail(copy_tbs: float, ms=(4, 16)) -> None:
                                                                              fused_reduce=True, **knobs)),
                 ("production, reduce kernel", lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=f32,
                                                                               fused_reduce=False, **knobs)),
-                ("gps probe, reduce 0 (session 10)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5)),
+                ("gps probe, reduce 0 (acq_rel reset)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5)),
                 ("gps probe, reduce 1 (plain reset)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5,
                                                                        reduce=1)),
                 ("gps probe, reduce 2 (poll, regs)", lambda: gps_gemm(xd, xs, wd, ws, bn=64, splits=4, stages=5,
@@ -1934,7 +1934,7 @@ def probe_gemm_noswap(copy_tbs: float, ms=(4, 16)) -> None:
 
 def probe_gemm_wholek(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (7168, 16384), (4096, 4096),
                                               (6144, 4096)), ms=(4, 16)) -> None:
-    """Session 13: the decode GEMM with no split-K (`whole_k=2 / 4`, the Gluon wgmma kernel of
+    """The decode GEMM with no split-K (`whole_k=2 / 4`, the Gluon wgmma kernel of
     engine.kernels.gemm_wgmma: each program streams block_n whole weight rows through a TMA ring of num_stages
     stages of 2 / 4 groups) over block_n, groups per stage and stages, vs production (the split-K kernel, fused reduce) and bf16 cuBLAS; one call each.
     Also: its bits vs the split-K kernel with one split (the same per-group math), and the best config back to
@@ -1976,7 +1976,7 @@ def probe_gemm_wholek(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (71
 
 def probe_gemm_wholek_rotate(copy_tbs: float, n: int = 4096, k: int = 14336, ms=(4, 16),
                              ws_too: bool = False) -> None:
-    """Session 13: the whole-K Gluon kernel with each program starting its K walk at its own chunk
+    """The whole-K Gluon kernel with each program starting its K walk at its own chunk
     (`engine.kernels.gemm_wgmma.launch(rotate=True)`), so that the programs do not all read the same activation
     tile at once, vs the same config walking K from 0; with ws_too also warp-specialized (a producer warp for the
     TMA loads, `warp_spec=True`); one call each (us)."""
@@ -2094,7 +2094,7 @@ def _early_reduce_probe_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, 
                                stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                                BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
                                PDL: tl.constexpr = False):
-    """Split-K with a fixed reducer and no handshake (session 14). Splits 0..S-2 of a tile walk `per` 128-groups
+    """Split-K with a fixed reducer and no handshake. Splits 0..S-2 of a tile walk `per` 128-groups
     each and store their partial into a PENDING_BITS workspace (a partial that reads PENDING_BITS is stored as
     the canonical NaN) and exit: no fence, no counter. The last split (the highest program ids, dispatched last)
     walks the rest of K; when TAIL of its groups are left it loads the other partials (volatile), walks those
@@ -2336,9 +2336,9 @@ def _graph_cases(shapes, ms, name: str):
 
 def probe_decode_dual(copy_tbs: float, shapes=((7168, 16384),), ms=(4, 16)) -> None:
     """Issue decode shapes at M = 4 / 16, each split-K config timed both ways `bench_gemm` reports: one call after a
-    clean L2 flush (the issue's judged column) and per call in a CUDA graph over weight copies (as a decode step
-    runs). Session 14 pinned 7168x16384 at BM 16 to 4 splits x 4 stages: one call 3.38 / 3.32 TB/s, graph only 2.98
-    / 2.90; this looks for a config at >= 3.0 TB/s in both."""
+    clean L2 flush and per call in a CUDA graph over weight copies (as a decode step runs, the acceptance timing).
+    A config can be fast one way and slow the other (H200, 7168x16384 at BM 16, 4 splits x 4 stages: one call
+    3.38 / 3.32 TB/s, graph 2.98 / 2.90); this looks for a config at >= 3.0 TB/s in both."""
     from engine.kernels import gemm as G
 
     print("\n## decode GEMMs, one call (clean flush) and CUDA graph (weight copies), us per call")
@@ -2412,7 +2412,7 @@ def _wg_run(xd, xs, wts, cfg: dict, out_dtype=torch.bfloat16, i: int = 0):
 
 
 def probe_gemm_wgsplit(copy_tbs: float, shapes=SLICED_SHAPES[:1], ms=(4, 16)) -> None:
-    """Session 19: the Gluon wgmma kernel (TMA ring, scale table in shared memory) with split-K and its fused reduce
+    """The Gluon wgmma kernel (TMA ring, scale table in shared memory) with split-K and its fused reduce
     (`launch(splits=S)`), activation rows on the wgmma M side (64, zero-filled by TMA) or, with swap, on its N side
     (M rounded up to 8 / 16) and 64 weight rows on M; over splits, stages and groups per stage. Each config: whether
     its bits equal the split-K Triton kernel with the same K partition (64-row tiles, fused reduce, not sliced), one
@@ -2462,11 +2462,10 @@ def probe_gemm_wgsplit(copy_tbs: float, shapes=SLICED_SHAPES[:1], ms=(4, 16)) ->
 def probe_wgmma_sweep(copy_tbs: float, shapes=((28672, 4096), (4096, 14336), (7168, 16384), (6144, 4096)),
                       ms=(4, 8, 16), pipes=((2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (4, 2), (4, 3)),
                       splits=(1, 2, 4), top: int = 8) -> None:
-    """Session 19: the swapped Gluon wgmma kernel (`wgmma` knob) against the production dispatch, per call in a CUDA
+    """The swapped Gluon wgmma kernel (`wgmma` knob) against the production dispatch, per call in a CUDA
     graph over weight copies (bf16 out): every (split, groups per stage, stages) timed twice, the top fastest printed
     with their shared memory per program and program count -- the data behind the H200's BM-16 `wgmma` entries and
-    `gemm_wgmma.swap_stages`. (Its first form also timed an auto rule sending every split-K call's own partition
-    through the kernel, probe_wgmma_rule.txt; the rule was dropped, and that mode with it.)"""
+    `gemm_wgmma.swap_stages`."""
     from engine.kernels import gemm as G
     from engine.kernels import gemm_wgmma as GW
 
@@ -2500,8 +2499,8 @@ def probe_wgmma_sweep(copy_tbs: float, shapes=((28672, 4096), (4096, 14336), (71
 
 def probe_reduce_burst(copy_tbs: float, shapes=((4096, 14336), (28672, 4096), (7168, 16384), (6144, 4096),
                                                 (4096, 4096)), ms=(4, 16, 32)) -> None:
-    """Session 20: the fused split-K reduce's partial loads, four per L2 round trip (`gemm.REDUCE_BURST` = 4) against
-    one per loop step (1: sessions 5-19), on the production dispatch (entries included; bf16 out): one call (the
+    """The fused split-K reduce's partial loads, four per L2 round trip (`gemm.REDUCE_BURST` = 4) against
+    one per loop step (1), on the production dispatch (entries included; bf16 out): one call (the
     run's --flush) and per call in a CUDA graph over weight copies, the two alternated twice (1, 4, 4, 1), and their
     outputs' bits compared."""
     from engine.kernels import gemm as G
@@ -2546,7 +2545,7 @@ def _print_split_row(n: int, k: int, m: int, bm: int, heur: int, row: list, nbyt
 def probe_split_rule(copy_tbs: float, ms=(12, 24, 48)) -> None:
     """Split count vs tile rows (BM 16 / 32 / 64) over a grid of decode shapes, as a decode step runs them (CUDA graph
     of 64 calls over >= 150 MB of weight copies, bf16 out): the split-K kernel with the heuristic's tiles, warps and
-    stages and 1 / 2 / 4 / 8 / 16 splits, the split rule's choice when run (session 14's file: the old 2-per-SM
+    stages and 1 / 2 / 4 / 8 / 16 splits, the split rule's choice when run (in the committed H200 sweep: a 2-per-SM
     rule), and the whole-K kernel (64 / 32 rows, 2 / 4 groups per stage) -- the data for `_split_k` / SPLIT_FILL;
     `benchmarks/split_rule_eval.py` scores a rule against it."""
     from engine.kernels import gemm as G
@@ -2631,7 +2630,7 @@ def _wgmma_split_configs(m: int, n: int, k: int, sms: int, max_per_sm: float = 6
 
 
 def probe_wgmma_split(copy_tbs: float, shapes=None, ms=(4, 16, 32)) -> None:
-    """Session 21: the swapped Gluon wgmma kernel on decode shapes the H200's `DECODE_CONFIGS` do not name, against
+    """The swapped Gluon wgmma kernel on decode shapes the H200's `DECODE_CONFIGS` do not name, against
     the production dispatch without the wgmma rule (`prod`: its entries where it has them, else the split-K
     heuristic) and with it (`rule`, where `gemm.WGMMA_RULE` is on), per call in a CUDA graph of 64 calls over weight
     copies (bf16 out). Variants `w{splits}g{groups per stage}n{stages}` as `_wgmma_split_configs`; rows in
@@ -2682,7 +2681,7 @@ def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> N
     """Pipeline depth of the split-K kernel on decode shapes without a `DECODE_CONFIGS` entry, as a decode step runs
     them (CUDA graph of 64 calls over weight copies, bf16 out), at the heuristic's tiles and split count: the
     autotuner (`DECODE_STAGE_CHOICE = "autotune"`: 3 / 4 / 6 stages by `do_bench` on repeated calls after a write-flush
-    of L2; session 15 found it picking a depth slow in a graph), the stage rule in the code (`_decode_stages`, the
+    of L2; it can pick a depth that is slow in a graph), the stage rule in the code (`_decode_stages`, the
     default), and fixed 3 / 4 / 6 stages. Each choice is summarized as its geometric-mean and worst ratio to the best
     of the fixed depths per point; `benchmarks/stage_rule_eval.py` re-scores a rule against this output."""
     from engine.kernels import gemm as G
@@ -2726,7 +2725,7 @@ def probe_decode_stages(copy_tbs: float, shapes=STAGE_GRID, ms=(4, 16, 24)) -> N
 MX_SPLIT_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192), (2048, 14336))
 
 
-# Held-out shapes for the MX split rule (session 18): Qwen2.5-14B's MLP (13824 x 5120, 5120 x 13824) and Qwen2-7B's
+# Held-out shapes for the MX split rule: Qwen2.5-14B's MLP (13824 x 5120, 5120 x 13824) and Qwen2-7B's
 # (18944 x 3584, 3584 x 18944), none of them in MX_SPLIT_SHAPES.
 MX_SPLIT_CHECK = ((13824, 5120), (5120, 13824), (18944, 3584), (3584, 18944))
 

@@ -4,17 +4,16 @@ compared with the first's, and the rel-L2 error against `mx_linear_reference`.
 
 Variants (module flags of engine.kernels.gemm):
   cast    NVFP4's E4M3 scales by the FP8 cast, one gathered scale load per element, the split-K reduce kernel
-          (sessions 2-15)
-  bits    ... E4M3 scales decoded by bit arithmetic, `_e4m3_to_f32` (session 16)
+  bits    ... E4M3 scales decoded by bit arithmetic, `_e4m3_to_f32`
   rows    each row's block scales loaded as one tile per 64 columns, a chunk ahead, and spread by a reshape; E2M1
           decoded by shifts and one multiply; split-K partials summed by the last split (`MX_ROW_SCALES`,
-          `MX_FUSED_REDUCE`, session 17)
-  ptx-rk  `rows` with E2M1 decoded to bf16 by PRMT table lookups in inline PTX and scaled in bf16 (`MX_FP4_PTX`,
-          session 17; FP8 weights as `rows`), and the reduce kernel
+          `MX_FUSED_REDUCE`)
+  ptx-rk  `rows` with E2M1 decoded to bf16 by PRMT table lookups in inline PTX and scaled in bf16 (`MX_FP4_PTX`;
+          FP8 weights as `rows`), and the reduce kernel
   ptx     `ptx-rk` with the fused reduce: the default
 
     python benchmarks/probe_mx_variants.py [--variants cast,bits,rows,ptx-rk,ptx] [--ms 1,4,16,512]
-(session 16's NVFP4 A/B was `--variants cast,bits --pairs bf16:nvfp4,bf16:mxfp4 --ms 4,16`)"""
+    python benchmarks/probe_mx_variants.py --variants cast,bits --pairs bf16:nvfp4,bf16:mxfp4 --ms 4,16"""
 
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
     ncu --target-processes all --profile-from-start off --set full python benchmarks/profile_once.py [--only ...]
 
 Kernels (--only, comma-separated; default rms,gemm,wholek): `rms` RMSNorm+quant 16384 x 7168; `gemm` the decode GEMM
-4096x14336 at M = 4 (issue 4's unmet cell; the sliced kernel since session 18); `splitk` the same call on the split-K
-kernel and its fused reduce (sliced=False); `wholek` the same GEMM through the whole-K Gluon kernel (session 13; 32 rows
-x 10 stages); `mx` the MX dequant-in-kernel GEMM at 4096x14336, M = 4, bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x MXFP8
-(session 17)."""
+4096x14336 at M = 4 (its one-call timing is the decode GEMM's slowest cell; the sliced kernel); `splitk` the same call
+on the split-K kernel and its fused reduce (sliced=False); `wholek` the same GEMM through the whole-K Gluon kernel (32
+rows x 10 stages); `mx` the MX dequant-in-kernel GEMM at 4096x14336, M = 4, bf16 x MXFP4, bf16 x NVFP4 and MXFP8 x
+MXFP8."""
 import argparse
 import sys
 from pathlib import Path

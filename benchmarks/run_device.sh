@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# One batched GPU session: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
+# One batched GPU run: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
 # Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
 # carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
 #   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [parallel] [pack]
-# Each part writes its log under $OUT; a failing part never stops the next one.
+# Each part writes its log under $OUT; a failing part never stops the next one. Without OUT the files go to
+# benchmarks/results/<hw>-<date>/ (e.g. h200-2026-11-30, h200x2-2026-11-29), the layout of benchmarks/results/:
+# copy what a run measured there, with a README.md naming the command of each file.
 set -u
-OUT=${OUT:-benchmarks/results/device-$(date +%F)}
+hw() {  # "h200" for one NVIDIA H200, "h200x2" for two; "gpu" when nvidia-smi does not answer
+  local names n
+  names=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) || { echo gpu; return; }
+  n=$(printf '%s\n' "$names" | grep -c .)
+  printf '%s%s\n' "$(printf '%s\n' "$names" | head -1 | awk '{print tolower($NF)}')" "$([ "$n" -gt 1 ] && echo "x$n")"
+}
+export OUT=${OUT:-benchmarks/results/$(hw)-$(date -u +%F)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 parts=${*:-tests bench e2e suites}
@@ -43,20 +51,19 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -c "import json; from evalharness.provenance import hardware_fingerprint as f; print(json.dumps(f('cuda'), indent=1))" > "$OUT/fingerprint.json" 2>&1
 for part in $parts; do
   case $part in
-    tests)
-      run gpu_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
-        tests/test_kernels_gpu.py tests/test_gemm_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py \
-        tests/test_native_gpu.py tests/formats/test_formats_gpu.py tests/test_runtime_gpu.py tests/test_rope_kernel.py \
-        tests/test_pdl.py ;;
-    tests-engine)  # the engine-level GPU tests only (kernels have their own files)
-      run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
-        tests/test_native_gpu.py tests/test_runtime_gpu.py tests/test_moe_gpu.py tests/formats/test_formats_gpu.py ;;
+    tests)  # every test marked gpu (TESTS: other pytest paths / -k selections; TESTS_TIMEOUT: seconds)
+      read -ra tests <<< "${TESTS:-tests/}"
+      run gpu_tests "${TESTS_TIMEOUT:-900}" python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
+        "${tests[@]}" ;;
+    tests-engine)  # the engine-level GPU tests only (whole models, runtime, formats; the kernels' tests left out)
+      run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
+        tests/engine --ignore=tests/engine/kernels ;;
     parallel)  # issue 9 on >= 2 GPUs: the TP/EP tests (gloo and NCCL), then suites/parallel.yaml under torchrun + NCCL
-      run parallel_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s tests/test_parallel.py
+      run parallel_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s tests/engine/test_parallel.py
       run suite_parallel 300 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
         --master-port 29533 -m evalharness.cli run suites/parallel.yaml --device cuda --out "$OUT/parallel" --no-tracking ;;
     bench)
-      run bench_quant 120 python benchmarks/bench_quant_kernels.py --out "$OUT/bench_quant.txt"
+      run bench_quant_kernels 120 python benchmarks/bench_quant_kernels.py --out "$OUT/bench_quant_kernels.txt"
       run bench_gemm 150 python benchmarks/bench_gemm.py
       run bench_attention 120 python benchmarks/bench_attention.py
       run bench_moe 120 python benchmarks/bench_moe.py ;;
@@ -68,7 +75,7 @@ for part in $parts; do
       run suite_gpu 400 python -m evalharness.cli run suites/gpu.yaml --out "$OUT/gpu" --no-tracking
       run suite_invariance 240 python -m evalharness.cli run suites/invariance-gpu.yaml --out "$OUT/invariance" --no-tracking ;;
     capture)  # the per-tap statistics on the GPU: Triton fold vs its torch reference, then capture on vs off
-      run errorstats_gpu 120 python -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_errorstats_gpu.py
+      run errorstats_gpu 120 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -m gpu -k errorstats tests/
       run bench_capture 150 python benchmarks/bench_capture.py --data-dir .carry/data ;;
     tasks)  # lm-eval tasks, long context, per-layer error, PPL/KLD (suites/evals.yaml) with the carried wheels.
       # EVALS_EXTRA: more --set options, appended; EVALS_TIMEOUT: seconds (default 420). A CPU dry run of this

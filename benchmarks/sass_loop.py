@@ -1,11 +1,11 @@
 """SASS of a Triton kernel compiled for sm_90 without a GPU (Triton's bundled ptxas / nvdisasm), and the instruction
-count and mix of its loops: how session 17 cut the MX GEMM's decode loop from 1336 to ~450 instructions per 128-column
-chunk on the CPU before timing it on the H200.
+count and mix of its loops, on the CPU: the MX GEMM's decode K loop takes ~450-500 instructions per 128-column chunk
+and warp with the per-row scale tiles and the PTX E2M1 decode, against 787-1379 for the gathered-scale path.
 
     python benchmarks/sass_loop.py [mxfp4|nvfp4|mxfp8] [NAME=VALUE ...]
 
 compiles `_mx_gemm_kernel` at the decode tile (BM 16, BN 64, 4 warps, 3 stages) with the launcher's default
-constexprs on the GPU (overridden by NAME=VALUE, e.g. ROW_SCALES=False for the sessions 2-16 path) and prints each
+constexprs on the GPU (overridden by NAME=VALUE, e.g. ROW_SCALES=False for the gathered-scale path) and prints each
 loop's instruction count and top opcodes, the largest (the K loop) last."""
 
 from __future__ import annotations

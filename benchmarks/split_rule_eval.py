@@ -1,14 +1,14 @@
 """Score the decode GEMM heuristic against a measured split-rule sweep (no GPU needed).
 
-    python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30-session14/probe_split_rule.txt]
-    python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30-session17/probe_mx_split.txt]
-    python benchmarks/split_rule_eval.py --wgmma [sweep ...]   (default: session 21's four wgmma sweeps)
+    python benchmarks/split_rule_eval.py [benchmarks/results/h200-2026-11-30/probe_split_rule.txt]
+    python benchmarks/split_rule_eval.py --mx [benchmarks/results/h200-2026-11-30/probe_mx_split.txt]
+    python benchmarks/split_rule_eval.py --wgmma [sweep ...]   (default: the four H200 wgmma sweeps of 2026-11-30)
 
 The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
 whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
 mean of (time of the rule's pick / time of the best variant) and the worst point, for the rule in
-`engine.kernels.gemm` now (`_split_k` with `SPLIT_FILL`, `_heuristic_whole_k`) and for the rule of sessions 3-13
-(2 programs per SM, no whole-K). The SM count is the sweep's (its header line).
+`engine.kernels.gemm` (`_split_k` with `SPLIT_FILL`, `_heuristic_whole_k`) and for the simpler rule it is compared
+with (K splits until 2 programs per SM, no whole-K). The SM count is the sweep's (its header line).
 
 `--wgmma` scores the sm_90 wgmma rule (`engine.kernels.gemm.wgmma_plan`) against `probe_kernels.py --only
 wgmma_split` sweeps: per point its pick's time over the best variant's and over the production dispatch's (`prod`,
@@ -29,10 +29,13 @@ import torch  # noqa: E402
 from engine.kernels import gemm as G  # noqa: E402
 from engine.kernels import gemm_wgmma as GW  # noqa: E402
 
-DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session14" / "probe_split_rule.txt"
+RESULTS = Path(__file__).resolve().parent / "results" / "h200-2026-11-30"  # H200 sweeps of 2026-11-30
+DEFAULT = RESULTS / "probe_split_rule.txt"
 # The MX GEMM's sweep (`probe_kernels.py --only mx_split`: bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8), scored against
 # MX_SPLIT_RULE: `python benchmarks/split_rule_eval.py --mx`.
-MX_DEFAULT = Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session17" / "probe_mx_split.txt"
+MX_DEFAULT = RESULTS / "probe_mx_split.txt"
+# The MX split rule on data it was not fitted on: BM 64 (M = 48 / 64, the fitted shapes) and four held-out shapes.
+MX_CHECK = (RESULTS / "probe_mx_split64.txt", RESULTS / "probe_mx_split_check.txt")
 ROW = re.compile(r"\s+(\d+)x\s*(\d+) M=\s*(\d+) BM=(\d+): .*\| (.*)")
 
 
@@ -92,7 +95,7 @@ def score(sms: int, rows: dict, fill, whole_k: bool) -> dict:
     return {"geo": geo, "worst": worst}
 
 
-WGMMA_DEFAULT = tuple(Path(__file__).resolve().parent / "results" / "h200-2026-11-30-session21" / name
+WGMMA_DEFAULT = tuple(RESULTS / name
                       for name in ("probe_wgmma_split.txt", "probe_wgmma_split_check.txt",
                                    "probe_wgmma_split_check2.txt", "probe_wgmma_split_check3.txt"))
 
@@ -142,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args[1]) if len(args) > 1 else MX_DEFAULT
         for title, (sms, rows) in read_sections(path).items():
             print(f"{title}: {len(rows)} points, {sms} SMs; pick / best split, geometric mean")
-            for name, fill in (("sessions 3-15: 2 programs per SM", 2.0), ("session 16: 4 programs per SM", 4.0),
-                               (f"now: MX_SPLIT_RULE {G.MX_SPLIT_RULE}", G.mx_split_k)):
+            for name, fill in (("fill 2: 2 programs per SM", 2.0), ("fill 4: 4 programs per SM", 4.0),
+                               (f"in the code: MX_SPLIT_RULE {G.MX_SPLIT_RULE}", G.mx_split_k)):
                 s = score(sms, rows, fill, False)
                 per = "  ".join(f"BM {bm} {g:.3f}"
                                 for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
@@ -151,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
     print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")
-    for name, fill, wk in (("sessions 3-13: 2 programs per SM", 2.0, False),
-                           (f"now: {G.SPLIT_FILL} per SM, whole-K at BM 64 {G.WHOLE_K_AT_BM64}", G.SPLIT_FILL,
+    for name, fill, wk in (("2 programs per SM, no whole-K", 2.0, False),
+                           (f"in the code: {G.SPLIT_FILL} per SM, whole-K at BM 64 {G.WHOLE_K_AT_BM64}", G.SPLIT_FILL,
                             G.WHOLE_K_AT_BM64)):
         s = score(sms, rows, fill, wk)
         per = "  ".join(f"BM {bm} {g:.3f}" for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))

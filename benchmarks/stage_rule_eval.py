@@ -4,7 +4,7 @@ picks over the best of the fixed 3 / 4 / 6 stages, as geometric mean and worst, 
 
     python benchmarks/stage_rule_eval.py [FILE ...] [--limits 1.0:6,2.0:4,inf:3]
 
-Default files: session 16's H200 sweep (the fit) and its held-out shapes (the check)."""
+Default files: the H200 sweep of 2026-11-30 that the rule was fitted on, and its held-out shapes (the check)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.kernels import gemm as G  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30-session16"
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
 DEFAULT = (RESULTS / "probe_decode_stages.txt", RESULTS / "probe_decode_stages_check.txt")
 _HEADER = re.compile(r"^## decode pipeline depth: .*?(\d+) SMs")
 _ROW = re.compile(r"^\s+(\d+)x\s*(\d+) M=\s*(\d+) BM=(\d+) s(\d+):.*\|(.*)\|")

@@ -164,7 +164,7 @@ class NativeNumerics(Numerics):
     `small_m`: token count at or below which linear layers use the decode
     (small-M) FP8 kernel instead of cuBLAS (64: Llama-3-8B decode at batch 64 on
     the H200 took 6.15 ms per step with it vs 7.14 ms with cuBLAS blockwise from
-    M = 17 up, benchmarks/results/h200-2026-11-29-session4; bench_e2e.py --small-m
+    M = 17 up, 2026-11-29; bench_e2e.py --small-m
     compares). `attn_block`: the attention
     kernel's key/query tile (64, 128 or 256; a serving-config knob).
     """
@@ -287,7 +287,7 @@ class NativeNumerics(Numerics):
             self._count("swiglu", "fallback")
             return super().swiglu(gate, up, module)
         # gate / up are usually the two column halves of the stacked gate/up GEMM's output (`linears`): the kernel
-        # reads them at their row stride, with no copy kernels before it (two per layer before session 15)
+        # reads them at their row stride, with no copy kernels before it
         spec = self._fused_quant_spec()
         data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True, fmt=spec)
         self._count("swiglu", "native")

@@ -36,19 +36,17 @@ _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Longest call on FP8 pages that the Triton KV write + paged attention take; longer ones write through the
-# library quantizer and attend emulated. None: no limit. It was 16 from session 2 (a 64-token call hit an illegal
-# memory access, benchmarks/results/h200-2026-11-29-session2/suite_invariance_gpu.txt) to session 8; session 9
-# re-ran that suite uncapped and the prompts of up to 100 tokens of test_long_fp8_prompts_on_native_paged_kernels
-# on an H200 without an error (benchmarks/results/h200-2026-11-29-session9/) and lifted it. ENGINE_FP8_PAGED_MAX_TQ
-# sets a limit again, to bisect.
+# library quantizer and attend emulated. None: no limit (the invariance GPU suite and prompts of up to 100 tokens of
+# test_long_fp8_prompts_on_native_paged_kernels run uncapped on the H200). ENGINE_FP8_PAGED_MAX_TQ sets a limit, to
+# bisect.
 def _max_tq_from_env() -> Optional[int]:
     """ENGINE_FP8_PAGED_MAX_TQ as a token count (unset or empty: no limit)."""
     v = os.environ.get("ENGINE_FP8_PAGED_MAX_TQ", "").strip()
     if not v:
         return None
     if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"ENGINE_FP8_PAGED_MAX_TQ={v!r}: use a positive number of tokens (16 restores the "
-                         "session-2..8 path), or unset it for no limit")
+        raise ValueError(f"ENGINE_FP8_PAGED_MAX_TQ={v!r}: use a positive number of tokens (calls longer "
+                         "than that take the library quantizer), or unset it for no limit")
     return int(v)
 
 
@@ -184,8 +182,7 @@ class PagedRuntime:
             for nx in (engine.nx, getattr(engine, "hp_nx", None)):
                 if hasattr(nx, "use_query_carrier"):
                     nx.use_query_carrier()
-        # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count;
-        # before session 6 graphs used capacity / 256 and eager steps the kernel's per-call choice)
+        # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count)
         self.num_splits: int | None = None
         self._capacity = per_seq * config.kv_block_size
         self._graphs: dict[int, tuple] = {}

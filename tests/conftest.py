@@ -1,4 +1,13 @@
-"""Shared fixtures: the data dir (skip cleanly without it), random-init HF model folders, CLI runner."""
+"""Shared fixtures: the data dir (skip cleanly without it), random-init HF model folders, CLI runner; the GPU and
+interpreter markers.
+
+Markers (pyproject.toml): `gpu` tests need a CUDA GPU and skip without one. `interpreter` tests also run on CPU
+tensors under the Triton interpreter: `TRITON_INTERPRET=1 python3 -m pytest -q -m interpreter` (tests/support/
+interpret.py). In that run this conftest patches the interpreter's floats to the GPU's once, before any kernel
+runs, and skips the GPU tests not marked `interpreter`; a failure to patch fails every interpreter test (a run
+that compared no GPU bits must not pass). Tests marked `interpreter` alone (checks that exist for the interpreter
+only) skip outside that run.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.interpret_util import INTERPRET, patch_interpreter
+from tests.support.interpret import INTERPRET, patch_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 _INTERPRETER_UNPATCHED: list[str] = []  # why the interpreter could not be patched (TRITON_INTERPRET=1 runs)
@@ -19,22 +28,43 @@ def pytest_configure(config):
         why = patch_interpreter()
         if why:
             _INTERPRETER_UNPATCHED.append(why)
+        _one_thread()
+
+
+def _one_thread() -> None:
+    """The interpreter runs a kernel's programs one after another in Python, issuing small numpy / torch operations
+    that gain nothing from thread pools, whose idle workers spin: one thread each. (2 cores, other processes busy:
+    a third of the CPU time; with pytest-xdist the workers would compete with each other's spinning threads.)"""
+    torch.set_num_threads(1)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # numpy's BLAS keeps its threads
+        return
+    threadpool_limits(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests (marker `gpu`) skip without CUDA. Under TRITON_INTERPRET=1 only those also marked `interpreter` run,
-    on CPU tensors through the patched interpreter (tests/interpret_util.py); the others skip."""
+    """Without TRITON_INTERPRET=1: `gpu` tests skip without CUDA, tests marked `interpreter` alone skip. With it: the
+    `gpu` tests not marked `interpreter` skip (they need the GPU); the `interpreter` ones run on CPU tensors."""
     cuda = torch.cuda.is_available()
     for item in items:
-        if item.get_closest_marker("gpu") is None:
-            continue
+        gpu = item.get_closest_marker("gpu") is not None
+        interpreted = item.get_closest_marker("interpreter") is not None
         if INTERPRET:
-            if item.get_closest_marker("interpreter") is None:
+            if gpu and not interpreted:
                 item.add_marker(pytest.mark.skip(reason="TRITON_INTERPRET=1: not marked `interpreter` (needs the GPU)"))
-            elif _INTERPRETER_UNPATCHED:
-                item.add_marker(pytest.mark.skip(reason=f"cannot patch the interpreter: {_INTERPRETER_UNPATCHED[0]}"))
-        elif not cuda:
+        elif interpreted and not gpu:
+            item.add_marker(pytest.mark.skip(reason="an interpreter check: runs under TRITON_INTERPRET=1 only"))
+        elif gpu and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def pytest_runtest_setup(item):
+    """Under TRITON_INTERPRET=1 an `interpreter` test fails when the interpreter could not be patched: unpatched, it
+    would compare the interpreter's own bf16 / FP8 arithmetic, not the GPU's, with the formats library."""
+    if INTERPRET and _INTERPRETER_UNPATCHED and item.get_closest_marker("interpreter") is not None:
+        pytest.fail(f"TRITON_INTERPRET=1: cannot patch the Triton interpreter ({_INTERPRETER_UNPATCHED[0]}); "
+                    "tests/support/interpret.py must be updated for this Triton version", pytrace=False)
 
 
 def shared_data_dir() -> Path | None:

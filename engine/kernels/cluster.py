@@ -3,7 +3,7 @@
 Triton 3.6 exposes clusters only through `num_ctas` layouts, which split one program's tensors over several
 CTAs. The split-K decode GEMM wants the opposite: S independent programs (the K splits of one output tile)
 that exchange their fp32 partials on chip instead of through global memory and an arrival counter (about
-2 us of dependent round trips per call, benchmarks/results/h200-2026-11-29-session11/). This module gives
+2 us of dependent round trips per call, 2026-11-29). This module gives
 a kernel compiled with `num_ctas=1`:
 
 * `launch`: compiles (or finds) the kernel, then launches it with the cluster attribute of Triton's own

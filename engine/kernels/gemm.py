@@ -156,8 +156,8 @@ def _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, o
     the tile's counter (cnt_ptr, per tile, reset to 0 by that split) sums all partials in split order from zero, times
     the tensor scale, plus bias -- the fp32 operations of `_splitk_reduce_kernel`, so its bits, without its launch.
     Each split's partial store is released by its arrival (acq_rel); the reset is a plain store, with no fence before
-    it: the next kernel to use the counter starts after this one has completed (session 11, benchmarks/results/
-    h200-2026-11-29-session11/: 0.5 us less per call than the acq_rel exchange it replaces)."""
+    it: the next kernel to use the counter starts after this one has completed (H200, 2026-11-29: 0.5 us less per
+    call than an acq_rel exchange)."""
     tile = pid_m * tl.num_programs(0) + pid_n
     tl.debug_barrier()  # every thread's partial store happens before the release below
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -299,7 +299,7 @@ def _fp8_sliced_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     are discarded), each diagonal block scaled by its own group's scales as `_scaled_steps` does. At the end the S
     partials are summed in slice order from zero in registers: the fp32 operations of the split-K kernel with
     S splits and its fused reduce, so its bits, without the partials' round trip through memory and the arrival
-    handshake after the last step (session 12: ~1.3 us per call at 4096x14336)."""
+    handshake after the last step (H200, 2026-11-29: ~1.3 us per call at 4096x14336)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -562,7 +562,7 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
     into bf16 and multiplied with the matching activation halves: acc (BN, BM) += W_h @ X_h^T.
     ROW_SCALES: each row's block scales as one tile per half, loaded a chunk ahead (`_chunk_scales`) and spread over
     the columns (`_spread_scales`); FP4 decoded by `_e2m1_bytes_to_bf16` (FP4_PTX) or `_e2m1_nibble_to_f32`. Else one
-    gathered scale load per element and `_e2m1_to_f32` (sessions 2-16, kept for the A/B probe). FUSED_REDUCE: the
+    gathered scale load per element and `_e2m1_to_f32` (the slower path, kept for the A/B probe). FUSED_REDUCE: the
     last split of each tile sums the partials (`_last_split_reduce`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -654,15 +654,12 @@ def _bench_quick(fn, quantiles):
 # pipeline depth (it does not change the summation order) comes from DECODE_STAGE_CHOICE; smaller weights use the
 # fixed _tiles config.
 TUNE_MIN_WEIGHT = 1 << 24
-# "rule": `_decode_stages`, by programs per SM (session 16); "autotune": `_fp8_block_gemm_tuned`, timed by do_bench on
-# repeated calls, which picks by how a call runs with its weight's last copy in L2, not as a decode step runs it.
-# Timed as a decode step runs them (CUDA graph over weight copies, the heuristic's tiles and splits, M = 4 / 16 / 24)
-# against the best of 3 / 4 / 6 stages per point (benchmarks/results/h200-2026-11-30-session16/, scored by
-# `benchmarks/stage_rule_eval.py`):
-# - probe_decode_stages.txt, 16 shapes N 2048-28672 x K 2048-14336, which the rule was fitted on: the rule 1.004x
-#   geometric mean, worst 1.05x; the autotuner 1.052x, worst 1.35x (14336-row shapes: 6 stages, 12.6 vs 9.5 us);
-# - probe_decode_stages_check.txt, 12 held-out shapes (Qwen2-7B, 5120-wide, Llama-3-70B, lm_heads): the rule 1.023x,
-#   worst 1.21x (37888x3584, 4.5 programs per SM, wants 4-6 stages, not 3); the autotuner 1.036x, worst 1.29x.
+# "rule": `_decode_stages`, by programs per SM; "autotune": `_fp8_block_gemm_tuned`, timed by do_bench on repeated
+# calls, which picks by how a call runs with its weight's last copy in L2, not as a decode step runs it. Timed as a
+# decode step runs them (H200, 2026-11-30, CUDA graph over weight copies, M = 4 / 16 / 24, scored by
+# `benchmarks/stage_rule_eval.py`) against the best of 3 / 4 / 6 stages per point: on the 16 fitted shapes
+# (N 2048-28672 x K 2048-14336) the rule is 1.004x the best (worst 1.05x), the autotuner 1.052x (worst 1.35x); on
+# 12 held-out shapes (Qwen2-7B, 5120-wide, Llama-3-70B, lm_heads) the rule 1.023x (worst 1.21x), the autotuner 1.036x.
 DECODE_STAGE_CHOICE = "rule"
 # (programs per SM up to, stages): deep pipelines while at most one program per SM streams, shallower as more
 # programs share an SM's shared memory and issue slots.
@@ -680,8 +677,8 @@ def _decode_stages(programs: int, sms: int, limits=None) -> int:
 # fewer per GEMM: a decode step has ~6 per layer) unless a call or a DECODE_CONFIGS entry says otherwise.
 FUSED_REDUCE_DEFAULT = True
 # Partials the last split of a tile loads per L2 round trip in the fused reduce (`_sum_partials`; the Gluon kernel's
-# `_finish` alike), at most: 4, or 1 (one per loop step, sessions 5-19). Same bits either way: the adds stay in split
-# order. H200 (benchmarks/results/h200-2026-11-30-session20/probe_reduce_burst_first.txt, four per trip everywhere):
+# `_finish` alike), at most: 4, or 1 (one per loop step). Same bits either way: the adds stay in split
+# order. H200, 2026-11-30, four per trip everywhere against one:
 # one call 4096x14336 M = 4 21.55 -> 20.6 us, M = 32 25.0 -> 24.1; in a CUDA graph 7168x16384 M = 32 44.0 -> 38.5,
 # 4096x4096 M = 16 7.97 -> 7.57. The burst's loads and pointers take registers (the BM 32 / BN 64 / 8-warp split-K
 # kernel 80 -> 105 per thread, 3 -> 2 programs per SM): 6144x4096 M = 32, 384 programs, went 11.0 -> 14.2 us. Hence
@@ -699,21 +696,17 @@ def reduce_burst(splits: int, programs: int, sms: int) -> int:
 
 
 # M = 1 without explicit knobs runs `_fp8_gemv_kernel` (CUDA cores, whole rows per program, no split-K): on the
-# H200 it beat the split-K MMA kernel on every Llama-3-8B decode shape (benchmarks/results/h200-2026-11-29-
-# session5/probe_gemv.txt: 4096x4096 11.2 vs 13.8 us, 4096x14336 24.2 vs 26.7 us). Its bits differ from the
+# H200 it beat the split-K MMA kernel on every Llama-3-8B decode shape (2026-11-29: 4096x4096 11.2 vs 13.8 us,
+# 4096x14336 24.2 vs 26.7 us). Its bits differ from the
 # M >= 2 kernel's (summation order), as cuBLAS's above `small_m` do.
 GEMV_M1 = True
 # Bytes of each weight row the GEMV prefetches into L2 at its start, before its PDL wait (engine.kernels.pdl).
-# Off since session 9. H200, back to back in a CUDA graph with PDL, 1 KB vs none: 4096x14336 2.48 vs 3.57 TB/s,
-# 28672x4096 3.85 vs 3.94, 7168x16384 3.88 vs 3.47 (benchmarks/results/h200-2026-11-29-session9/
-# probe_gemv_graph.txt). Llama-3-8B decode, pipelined, two runs each (same folder, e2e_pf*_run*.log): batch 1
-# 2.91 / 2.91 ms with 1 KB vs 2.89 / 2.88 without, batch 8 3.51 / 3.48 vs 3.45 / 3.44. Session 6 had chosen
-# 1 KB: 1-2% faster in isolation on 4 of 5 shapes, equal end to end (h200-2026-11-29-session6/probe_prefetch.txt);
-# 4 KB and more were slower.
+# Off: on the H200 (2026-11-29), back to back in a CUDA graph with PDL, 1 KB vs none: 4096x14336 2.48 vs 3.57 TB/s,
+# 28672x4096 3.85 vs 3.94, 7168x16384 3.88 vs 3.47; Llama-3-8B decode, pipelined, batch 1 2.91 vs 2.89 ms, batch 8
+# 3.51 vs 3.45 ms. Prefetches of 4 KB and more were slower still.
 GEMV_PREFETCH_BYTES = 0
 # DECODE_STAGE_CHOICE = "autotune". Keyed by the split count too: a call with only split_k given must not inherit the
-# stages tuned for another split count of the same shape (session 14's split A/B did,
-# benchmarks/results/h200-2026-11-30-session14/README.md).
+# stages tuned for another split count of the same shape.
 _fp8_block_gemm_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
     key=["N", "K", "BM", "BN", "USE_PART", "n_splits"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
@@ -725,52 +718,41 @@ _fp8_block_gemm_tuned = triton.autotune(
 # summation order, so an entry fixes the bits of that (shape, device) like the heuristic does.
 DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     # BM 16 (M 2-16) on the big decode shapes: the Gluon wgmma kernel (activation rows on the wgmma's N side; `wgmma`
-    # knob), its split count measured per shape and its pipeline by `gemm_wgmma.swap_stages` unless pinned. H200, us
-    # per call in a CUDA graph over weight copies (benchmarks/results/h200-2026-11-30-session19/probe_wgmma_sweep.txt,
-    # each timed twice, within 0.05 us), M = 4 / 8 / 16, this entry's config vs the split-K entries before:
-    #   4096x14336 (4 splits, as before: the same K partition, the same bits): 16.9 / 17.3 / 17.9 vs 17.5 / 18.6 / 19.1;
-    #   6144x4096 (2 splits; was 4):  8.4 / 8.6 / 9.5 vs 8.9 / 9.6 / 9.9;
-    #   7168x16384 (1 split; was 4; 4 stages, the fastest at every M): 30.0 / 30.2 / 30.8 vs 30.5 / 31.7 / 32.2;
-    #   28672x4096 (1 split, as before): 28.3 / 28.6 / 29.3 vs 29.7 / 29.9 / 30.0.
-    # 4096x4096 stays on split-K: the wgmma kernel was 1-7% slower at M = 2 / 4 (probe_wgmma_rule.txt).
+    # knob), its split count measured per shape and its pipeline by `gemm_wgmma.swap_stages` unless pinned. H200,
+    # 2026-11-30, us per call in a CUDA graph over weight copies, M = 4 / 8 / 16, this entry vs the split-K kernel:
+    #   4096x14336 (4 splits: the split-K kernel's K partition, the same bits): 16.9 / 17.3 / 17.9 vs 17.5 / 18.6 / 19.1;
+    #   6144x4096 (2 splits):  8.4 / 8.6 / 9.5 vs 8.9 / 9.6 / 9.9;
+    #   7168x16384 (1 split, 4 stages, the fastest at every M): 30.0 / 30.2 / 30.8 vs 30.5 / 31.7 / 32.2;
+    #   28672x4096 (1 split): 28.3 / 28.6 / 29.3 vs 29.7 / 29.9 / 30.0.
+    # 4096x4096 stays on split-K: the wgmma kernel was 1-7% slower at M = 2 / 4.
     ("NVIDIA H200", 4096, 14336, 16): dict(wgmma=True, split_k=4, block_n=64),
     ("NVIDIA H200", 6144, 4096, 16): dict(wgmma=True, split_k=2, block_n=64),
-    # Llama-3-8B decode at batch 8 / 64, swept as a decode step runs them (CUDA graph of 64 calls over weight copies,
-    # benchmarks/results/h200-2026-11-30-session14/probe_decode_graph.txt; us per call, entry vs heuristic). The
-    # attention shapes at BM 16 want 4 splits, not the heuristic's 8 (9.8 vs 12.8 us and 7.7 vs 11.0 us; 6144x4096:
-    # session 19's entry above since):
+    # Llama-3-8B decode at batch 8 / 64, swept as a decode step runs them (H200, 2026-11-30, CUDA graph of 64 calls
+    # over weight copies; us per call, entry vs heuristic). 4096x4096 at BM 16 wants 4 splits, not the heuristic's 8
+    # (7.7 vs 11.0 us):
     ("NVIDIA H200", 4096, 4096, 16): dict(split_k=4, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
     # At BM 64 split-K partials cost up to a quarter of the weight's bytes (splits x 64 rows x N x 4 B, written and
     # read back) and the whole-K kernel's 64 activation rows are all real: it wins where N is small. 28672x4096
-    # takes 128-row tiles and no split. Batch-64 runtime step 6.00 -> 4.71 ms with these six entries
-    # (e2e_base/ vs e2e_cfg/ in the same folder).
+    # takes 128-row tiles and no split. Batch-64 runtime step 6.00 -> 4.71 ms with these six entries.
     ("NVIDIA H200", 6144, 4096, 64): dict(whole_k=4, block_n=64),  # 11.4 vs 21.0
     ("NVIDIA H200", 4096, 4096, 64): dict(whole_k=4, block_n=64),  # 9.7 vs 18.6
     ("NVIDIA H200", 28672, 4096, 64): dict(split_k=1, block_n=128, num_warps=4, num_stages=3,
                                            fused_reduce=True),  # 39.4 vs 48.2
     ("NVIDIA H200", 4096, 14336, 64): dict(whole_k=2, block_n=32),  # 25.3 vs 34.5
-    # The split rule (SPLIT_FILL) gives this issue shape 2 splits: one call 35.1 / 35.4 us at M = 4 / 16 but 2.59 /
-    # 2.62 TB/s in a CUDA graph (bench_gemm_split_rule.txt); session 14 pinned the old rule's 4 splits with 4 stages
-    # (graph 2.98 / 2.90 TB/s). Session 15 timed every config both ways (h200-2026-11-30-session15/
-    # probe_decode_dual.txt): 3 stages, one call 34.05 / 34.05 us (3.45 TB/s) and graph 31.7 / 32.6 us (3.71 / 3.60
-    # TB/s), against 4 stages' 39.5 / 40.9 us in the graph; bench_gemm.txt: 3.47 / 3.43 TB/s, graph 3.76 / 3.66.
-    # (Session 19: the wgmma kernel instead, entry above: 30.0-30.8 us in the graph.)
+    # 7168x16384 at BM 16: the wgmma kernel, one split, 4 stages (30.0-30.8 us in the graph, against 31.7 / 32.6 us
+    # for the best split-K config and 2.59 / 2.62 TB/s for the split rule's 2 splits).
     ("NVIDIA H200", 7168, 16384, 16): dict(wgmma=True, split_k=1, block_n=64, num_stages=4),
-    # 28672x4096 (gate+up) at BM 16 / 32: no split, 64-row tiles, as the heuristic, but 3 stages pinned. Left to the
-    # autotuner (timed on repeated calls, L2 warm) it took 3 stages in session 14 and 4 in session 15, where one
-    # call went 3.54 -> 3.72 TB/s and a CUDA graph over weight copies 3.87 -> 3.21 TB/s at M = 4 (session 14's
-    # bench_gemm.txt, session 15's bench_gemm_autotuned_28672.txt; pinned: 3.61 / 3.99, session 15's bench_gemm.txt;
-    # probe_decode_graph*.txt: 30.3 us at M = 8, 33.4 at M = 32). Same bits as the heuristic.
-    # (Session 19: at BM 16 the wgmma kernel instead, entry above: 28.3-29.3 us in the graph, same one split;
-    # session 20: at BM 32 too, below.)
+    # 28672x4096 (gate+up) at BM 16: the wgmma kernel, one split (28.3-29.3 us in the graph). Left to the autotuner
+    # (timed on repeated calls, L2 warm) the split-K kernel's stages flip between runs, and one pick that was faster
+    # per call (3.54 -> 3.72 TB/s) was slower in a CUDA graph over weight copies (3.87 -> 3.21 TB/s at M = 4).
     ("NVIDIA H200", 28672, 4096, 16): dict(wgmma=True, split_k=1, block_n=64),
     # BM 32 (M 17-32) on the big decode shapes: the Gluon wgmma kernel too (its activation rows: 32), split count and
-    # stages from the sweep at M = 24 / 32 (benchmarks/results/h200-2026-11-30-session20/probe_wgmma_sweep32.txt,
-    # us per call in a CUDA graph over weight copies, each timed twice), against the split-K entries before:
+    # stages from a sweep at M = 24 / 32 (H200, 2026-11-30, us per call in a CUDA graph over weight copies, each timed
+    # twice), against the best split-K configs:
     #   28672x4096 (1 split, 4 stages: swap_stages' default): 32.0 / 32.2 vs 33.0 / 33.6;
     #   4096x14336 (2 splits, 6 stages): 20.0 / 20.0 vs 21.8 / 21.8;
-    #   7168x16384 (1 split, 4 stages; no entry before): 32.9 / 33.1 vs 37.7 / 38.3;
-    #   6144x4096 (1 split, 4 groups x 3 stages): 8.7 / 8.8 vs 11.0 (probe_reduce_burst_first.txt);
+    #   7168x16384 (1 split, 4 stages): 32.9 / 33.1 vs 37.7 / 38.3;
+    #   6144x4096 (1 split, 4 groups x 3 stages): 8.7 / 8.8 vs 11.0;
     #   4096x4096 (1 split, 4 groups x 3 stages): 8.1 / 8.2 vs 8.9 / 9.0.
     # With one program per SM (at most 132), the deeper pipelines past swap_stages' 112 KB are pinned.
     ("NVIDIA H200", 28672, 4096, 32): dict(wgmma=True, split_k=1, block_n=64),
@@ -778,34 +760,29 @@ DECODE_CONFIGS: dict[tuple[str, int, int, int], dict[str, Any]] = {
     ("NVIDIA H200", 7168, 16384, 32): dict(wgmma=True, split_k=1, block_n=64, num_stages=4),
     ("NVIDIA H200", 6144, 4096, 32): dict(wgmma=4, split_k=1, block_n=64, num_stages=3),
     ("NVIDIA H200", 4096, 4096, 32): dict(wgmma=4, split_k=1, block_n=64, num_stages=3),
-    # (Sessions 15-19 at BM 32: split-K entries with 8 warps, benchmarks/results/h200-2026-11-30-session15/
-    # probe_decode_graph32.txt -- 6144x4096 split_k=4 / BN 64 / 3 stages, 4096x4096 split_k=2 / BN 64 / 4 stages,
-    # 4096x14336 split_k=4 / BN 128 / 4 stages, all fused; 28672x4096 the heuristic's tile with 3 stages pinned.
-    # benchmarks/e2e_before.py keeps them as preset s19.)
+    # (benchmarks/e2e_before.py keeps the earlier split-K BM-32 entries as a preset, for A/B runs.)
     # Llama-3-8B's lm_head at batch 2-16: the stage rule's 3 stages (15 programs per SM) run 132.1 / 140.2 us per call
-    # at M = 4 / 16 in a CUDA graph, 4 stages 124.8 / 130.8, the best of 3 / 4 / 6 at both (h200-2026-11-30-session16/
-    # probe_decode_stages_check.txt). One split as the heuristic: same bits.
+    # at M = 4 / 16 in a CUDA graph, 4 stages 124.8 / 130.8, the best of 3 / 4 / 6 at both (H200, 2026-11-30). One
+    # split as the heuristic: same bits.
     ("NVIDIA H200", 128256, 4096, 16): dict(split_k=1, block_n=64, num_warps=4, num_stages=4, fused_reduce=True),
 }
 DECODE_KNOBS = ("split_k", "block_n", "num_warps", "num_stages", "fused_reduce", "cluster", "whole_k", "sliced",
                "wgmma")
-# The heuristic for shapes without an entry (session 14, benchmarks/results/h200-2026-11-30-session14/
-# probe_split_rule.txt: 21 shapes N 2048-28672 x K 2048-14336 at M = 12 / 24 / 48, each call timed as a decode step
-# runs it, in a CUDA graph over weight copies). K splits until the programs about fill the SMs (SPLIT_FILL per SM;
-# the rule before asked for 2 per SM: its splits' partials and reduces cost more than the extra programs gained):
-# geometric mean 1.05x the best split count at BM 16 and 32, against 1.12x / 1.20x before. At BM 64 (M 33-64) the
-# whole-K kernel instead (64-row tiles from N = 4096, 32 below; 4 groups per stage): 1.04x the best of every
-# variant tried, against 1.44x for the old split rule (up to 2x slower). Off the sm_90 whole-K kernel (other GPUs,
-# rows TMA cannot read) BM 64 takes the split rule.
+# The heuristic for shapes without an entry (H200, 2026-11-30: 21 shapes N 2048-28672 x K 2048-14336 at M = 12 / 24 /
+# 48, each call timed as a decode step runs it, in a CUDA graph over weight copies). K splits until the programs
+# about fill the SMs (SPLIT_FILL per SM; 2 per SM costs more in partials and reduces than the extra programs gain):
+# geometric mean 1.05x the best split count at BM 16 and 32, against 1.12x / 1.20x for 2 per SM. At BM 64 (M 33-64)
+# the whole-K kernel instead (64-row tiles from N = 4096, 32 below; 4 groups per stage): 1.04x the best of every
+# variant tried, against 1.44x for the split rule (up to 2x slower). Off the sm_90 whole-K kernel (other GPUs, rows
+# TMA cannot read) BM 64 takes the split rule.
 SPLIT_FILL = 0.9
 WHOLE_K_AT_BM64 = True
 # The decode rule on sm_90 for shapes without an entry, M 2-32 (BM 16 / 32): the swapped Gluon wgmma kernel (the
-# H200's Llama-3-8B entries above), its split count, groups per stage and stages from `wgmma_plan`. Measured on session
-# 21's four H200 sweeps (benchmarks/results/h200-2026-11-30-session21/probe_wgmma_split*.txt: 57 shapes N 1280-151936
-# x K 2048-28672 at M = 4 / 16 / 32, split counts 1-8 with 2 / 4 groups per stage, us per call in a CUDA graph over
-# weight copies; `benchmarks/split_rule_eval.py --wgmma` scores it). Fitted on all four: per sweep 1.013-1.026x the
-# best variant and 0.85-0.88x the split-K heuristic's time (geometric means). The fourth sweep, held out from the
-# rule's first form, scored it 1.041x / 0.873x.
+# H200's Llama-3-8B entries above), its split count, groups per stage and stages from `wgmma_plan`. Measured on four
+# H200 sweeps (2026-11-30: 57 shapes N 1280-151936 x K 2048-28672 at M = 4 / 16 / 32, split counts 1-8 with 2 / 4
+# groups per stage, us per call in a CUDA graph over weight copies; `benchmarks/split_rule_eval.py --wgmma` scores
+# it): per sweep 1.013-1.026x the best variant and 0.85-0.88x the split-K heuristic's time (geometric means); the
+# sweep held out from the rule's first form scored it 1.041x / 0.873x.
 # - Weights of at least WGMMA_RULE_WIDE x SMs 64-row tiles take one split (the fewest the scale table allows): 6144- to
 #   151936-row weights ran up to 34% faster than with the split-K heuristic.
 # - Narrower ones, at most WGMMA_RULE_MAX_SPLITS splits: with 8 activation rows (M <= 8) K splits until the programs
@@ -817,7 +794,7 @@ WHOLE_K_AT_BM64 = True
 #   stage at 8 rows, 4 at 16 / 32; else `gemm_wgmma.swap_stages` with 2.
 # Known misses, slower than the split-K heuristic: 19456x2560 by 3-11% (304 tiles: 1.15 waves of two programs per SM),
 # 4096x4096 at M = 4 by 11% (the H200 has an entry), 1280x8192 at M = 16 / 32 by 3-4%. WGMMA_RULE = False: the split-K
-# heuristic (`_split_k`), as before session 21.
+# heuristic (`_split_k`).
 WGMMA_RULE = True
 WGMMA_RULE_WIDE = 0.7
 WGMMA_RULE_FILL8 = 2.0
@@ -826,25 +803,20 @@ WGMMA_RULE_MIN_GROUPS = 20
 WGMMA_RULE_MIN_GROUPS8 = 10
 WGMMA_RULE_MAX_STAGES = 8
 # The MX kernel's split rule by tile height BM: (programs per SM to fill, at least this many splits), measured as a
-# decode step runs it (CUDA graph over weight copies, `probe_kernels.py --only mx_split`: 6 shapes x M = 1 / 4 / 16 / 32
-# x 1-16 splits; `split_rule_eval.py --mx`), pick / best split, geometric mean per pair:
-# - session 17 (benchmarks/results/h200-2026-11-30-session17/probe_mx_split.txt; the kernel with per-row scale tiles,
-#   the PTX E2M1 decode and the fused reduce, 2.5-10x faster than session 16's): this rule 1.003x (bf16 x MXFP4),
-#   1.000x (bf16 x NVFP4), 1.000x (MXFP8 x MXFP8), worst point 1.013x. Fitted on that sweep (no held-out shapes):
-#   - BM 16: 2 per SM, but 2 splits where that gives one (28672x4096, 448 tiles: one split 7-13% slower than two);
-#     without the floor 1.017 / 1.016 / 1.008x, worst 1.13x; 4 per SM (session 16's) 1.004 / 1.011 / 1.038x, worst
-#     1.18x (6144x4096 wants 4 splits, not 8);
-#   - BM 32: 1.5 per SM, 1.000x for all three (2 per SM 1.08-1.13x, 4: 1.15-1.18x): with twice the activation rows a
-#     program does more work per weight byte, and fewer, longer splits win.
-#   BM 64 (M 33-64) takes BM 32's rule.
-# - session 18 checked it on new sweeps (benchmarks/results/h200-2026-11-30-session18/):
-#   - BM 64 (probe_mx_split64.txt, the six shapes at M = 48 / 64): 1.021 / 1.020 / 1.016x, worst 1.14x (6144x4096);
-#     4 per SM 1.21-1.22x;
-#   - four held-out shapes (probe_mx_split_check.txt, Qwen2.5-14B's and Qwen2-7B's MLPs at M = 4 / 16 / 32): 1.075 /
-#     1.080 / 1.034x, worst 1.21x (5120x13824 at BM 16 wants 8 splits, gets 4); 4 per SM 1.015 / 1.014 / 1.027x
-#     there. The BM-16 fill is over-fitted to the Llama-3-8B shapes. Refitted on all three sweeps, 4-6 per SM at BM 16
-#     would score 1.017-1.020x overall against this rule's 1.021x, and cost the Llama-3-8B shapes 1.7%; not changed.
-# - session 16 (h200-2026-11-30-session16/probe_mx_split.txt, the slower kernel) had chosen 4 per SM at every BM.
+# decode step runs it (H200, 2026-11-30, CUDA graph over weight copies, `probe_kernels.py --only mx_split`: 6 shapes
+# x M = 1 / 4 / 16 / 32 x 1-16 splits; `split_rule_eval.py --mx`), pick / best split, geometric mean per pair:
+# this rule 1.003x (bf16 x MXFP4), 1.000x (bf16 x NVFP4), 1.000x (MXFP8 x MXFP8), worst point 1.013x.
+# - BM 16: 2 per SM, but 2 splits where that gives one (28672x4096, 448 tiles: one split 7-13% slower than two);
+#   without the floor 1.017 / 1.016 / 1.008x, worst 1.13x; 4 per SM 1.004 / 1.011 / 1.038x, worst 1.18x (6144x4096
+#   wants 4 splits, not 8);
+# - BM 32: 1.5 per SM, 1.000x for all three (2 per SM 1.08-1.13x, 4: 1.15-1.18x): with twice the activation rows a
+#   program does more work per weight byte, and fewer, longer splits win.
+# - BM 64 (M 33-64) takes BM 32's rule: 1.021 / 1.020 / 1.016x at M = 48 / 64, worst 1.14x (6144x4096); 4 per SM
+#   1.21-1.22x.
+# - Held-out shapes (Qwen2.5-14B's and Qwen2-7B's MLPs at M = 4 / 16 / 32): 1.075 / 1.080 / 1.034x, worst 1.21x
+#   (5120x13824 at BM 16 wants 8 splits, gets 4); 4 per SM 1.015 / 1.014 / 1.027x there. The BM-16 fill is fitted to
+#   the Llama-3-8B shapes; 4-6 per SM at BM 16 would score 1.017-1.020x overall against this rule's 1.021x and cost
+#   the Llama-3-8B shapes 1.7%.
 MX_SPLIT_RULE = {16: (2.0, 2), 32: (1.5, 1)}
 
 
@@ -868,10 +840,9 @@ MX_FP4_PTX = True
 # the FP8 kernel (same bits as the reduce kernel).
 MX_FUSED_REDUCE = True
 # Measured M = 1 GEMV configs, as data: (device name, N, K) -> knobs of `_launch_gemv` (block_n, groups, num_stages,
-# num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200, one call after a
-# clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps (benchmarks/results/
-# h200-2026-11-29-session11/probe_gemm_tail*.txt; bench_gemm 19.4 vs session 10's 20.0). 28672x4096: 33.2 vs 34.6 in
-# session 9's sweep (h200-2026-11-29-session9/probe_decode_clean.txt), but bench_gemm 33.0 vs session 10's 32.9: even.
+# num_warps); other shapes use its defaults. Same output bits as the defaults in every sweep. H200 (2026-11-29), one
+# call after a clean L2 flush: 4096x14336 19.3 us vs 19.7-19.9 with the defaults in two sweeps; 28672x4096 33.2 vs
+# 34.6 in one sweep, even in bench_gemm.
 GEMV_CONFIGS: dict[tuple[str, int, int], dict[str, Any]] = {
     ("NVIDIA H200", 4096, 14336): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
     ("NVIDIA H200", 28672, 4096): dict(block_n=4, groups=8, num_stages=3, num_warps=2),
@@ -1150,7 +1121,7 @@ def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int],
                  round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
                  prefetch: Optional[int] = None) -> None:
     """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
-    H200 sweep (benchmarks/results/h200-2026-11-29-session5/probe_gemv.txt): 8 rows x 8 groups per step.
+    H200 sweep (2026-11-29): 8 rows x 8 groups per step.
     `prefetch`: L2-prefetched bytes per weight row (None: `GEMV_PREFETCH_BYTES`; 0 or unaligned rows: none)."""
     n, k = w.shape
     gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
@@ -1180,7 +1151,7 @@ def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, in
     clean L2 flush: M = 4 21.1 us vs the fused reduce's 21.0, M = 16 21.7 vs 21.5; back to back in a CUDA graph
     with PDL 26.1 vs 18.8 us (without PDL 18.9 vs 19.0). Clusters of 4 leave 8 of the 132 SMs unused (124 SMs,
     2-3 programs each) and the partial exchange through the cluster barrier costs what the global handshake
-    does (benchmarks/results/h200-2026-11-29-session12/probe_gemm_cluster*.txt)."""
+    does (2026-11-29)."""
     m, k = x.shape
     n = w.shape[0]
     opts = launch_opts(x)
@@ -1197,7 +1168,7 @@ def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, in
 SLICES = (2, 4, 8)  # K slices the sliced kernel can hold side by side
 # Split-K decode calls with 2 or 4 splits and M <= 16 / splits run as the sliced kernel, same bits (`_sliced_instead`).
 # H200, 4096x14336 / 7168x16384 / 4096x4096 / 6144x4096 at M = 2 and 4, each with its DECODE_CONFIGS entry's 4 splits
-# and stages (benchmarks/results/h200-2026-11-30-session18/probe_gemm_sliced*.txt), us per call in a CUDA graph over
+# and stages (2026-11-30), us per call in a CUDA graph over
 # weight copies, sliced vs split-K with its fused reduce: 17.4-17.7 vs 18.3-18.6, 30.8-31.0 vs 31.6-32.0, 6.7-6.8 vs
 # 7.3-7.7, 8.8-8.9 vs 9.4-9.7; one call after a clean L2 flush 20.4-20.5 vs 20.6-21.3 on 4096x14336. At M = 8 (4
 # slices of 8 columns: twice the split-K kernel's MMA columns) it loses on 4096x14336 (19.2 vs 18.8) and 6144x4096, and

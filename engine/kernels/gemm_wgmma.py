@@ -26,28 +26,27 @@ The loop:
 
 Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group order,
 and split partials are summed in split order from zero: on the H200 the output is bit-identical to the split-K Triton
-kernel with 64-row tiles and the same K partition, in both orientations (tests/test_gemm_wgmma_gpu.py; 80 of 80
-configs in benchmarks/results/h200-2026-11-30-session19/probe_gemm_wgsplit.txt). ``launch(rotate=True)`` starts each
+kernel with 64-row tiles and the same K partition, in both orientations (80 of 80 configs checked on the H200,
+2026-11-30). ``launch(rotate=True)`` starts each
 program's K walk at its own chunk instead (a different fixed order); ``launch(warp_spec=True)`` moves the TMA refills
 to a producer warp (`gl.warp_specialize`; same bits).
 
-Measured (H200):
+Measured (H200, 2026-11-30):
 
-* M side, whole K, M = 4 / 16 (session 13): 32.8-39.4 us on 4096x14336, one call, against ~21 us for split-K. The
-  time followed the number of 128-groups a program walks (~0.3 us each) whatever the pipeline; session 19 found why:
-  the 64 padded activation rows. Swapped, the same whole-K walk takes 22.2 us at M = 4 (probe_gemm_wgsplit.txt).
-* swap with splits, 4096x14336 (session 19): one call after a clean L2 flush 20.4-21.6 us at M = 4, about the split-K
-  kernel's 20.7 (the timed call's fixed cost is ~3.5 us: an empty kernel; the fastest pure read of the bytes takes
-  17.4 us); in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6
-  / 19.1 for the split-K entry (probe_wgmma_sweep.txt). Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8%
-  faster with the four BM-16 entries (e2e_*.txt).
-* session 20 (benchmarks/results/h200-2026-11-30-session20/): the reduce's partials loaded 2 / 4 per L2 round trip
-  (`engine.kernels.gemm.reduce_burst`): 4096x14336 at M = 4 one call 21.5 -> 20.6 us. With 32 activation rows the
-  kernel also serves the H200's BM-32 entries (M 17-32; probe_wgmma_sweep32.txt): the Llama-3-8B decode step at
-  batch 24 / 32 is 10% / 13% faster.
-* session 21 (benchmarks/results/h200-2026-11-30-session21/): on 57 decode shapes without an entry, the rule's plan
-  (`engine.kernels.gemm.wgmma_plan`) takes 0.85-0.88x the split-K heuristic's time per sweep (geometric means, CUDA
-  graph); a Qwen2.5-7B-shaped decode step at batch 4 / 16 / 32 is 2% / 2% / 8% faster.
+* M side, whole K, M = 4 / 16: 32.8-39.4 us on 4096x14336, one call, against ~21 us for split-K: the time follows
+  the number of 128-groups a program walks (~0.3 us each) because of the 64 padded activation rows. Swapped, the
+  same whole-K walk takes 22.2 us at M = 4.
+* swap with splits, 4096x14336: one call after a clean L2 flush 20.4-21.6 us at M = 4, about the split-K kernel's
+  20.7 (the timed call's fixed cost is ~3.5 us: an empty kernel; the fastest pure read of the bytes takes 17.4 us);
+  in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6 / 19.1
+  for the split-K kernel. Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8% faster with the four BM-16
+  entries.
+* the reduce's partials loaded 2 / 4 per L2 round trip (`engine.kernels.gemm.reduce_burst`): 4096x14336 at M = 4
+  one call 21.5 -> 20.6 us. With 32 activation rows the kernel also serves the H200's BM-32 entries (M 17-32): the
+  Llama-3-8B decode step at batch 24 / 32 is 10% / 13% faster than on split-K.
+* on 57 decode shapes without an entry, the rule's plan (`engine.kernels.gemm.wgmma_plan`) takes 0.85-0.88x the
+  split-K heuristic's time per sweep (geometric means, CUDA graph); a Qwen2.5-7B-shaped decode step at batch
+  4 / 16 / 32 is 2% / 2% / 8% faster.
 """
 
 from __future__ import annotations
@@ -353,7 +352,7 @@ GPS = 2  # 128-groups per pipeline stage (one barrier, one refill per stage), un
 BLOCK_N = 64  # weight rows per program, unless the call says
 # Pipeline stages by weight rows per program (GPS = 2), unless the call says. H200, 4096x14336 at M = 4 / 16, one
 # call: 64 rows x 2 groups x 6 stages was the fastest config, 39.4 / 34.3 us; 32 rows x 2 x 8: 43.0 / 37.5
-# (benchmarks/results/h200-2026-11-30-session13/probe_gemm_wholek_rotate.txt).
+# (2026-11-30).
 DEFAULT_STAGES = {16: 8, 32: 8, 64: 6}
 # With 4 groups per stage: 64 x 4 x 3 (38.2 / 35.6 us) and 32 x 4 x 4 (44.1 / 38.0 us), same file.
 DEFAULT_STAGES_GPS4 = {16: 4, 32: 4, 64: 3}
@@ -367,8 +366,7 @@ def default_stages(block_n: int, gps: int = GPS) -> int:
 # Pipeline stages of the swapped kernel (activation rows on the wgmma's N side) when the call does not say: as many as
 # keep a program's shared memory (tile ring and scale table) within SWAP_SMEM_BYTES, so that two programs fit on one
 # SM (228 KB, 1 KB reserved per program: the next program, or under PDL the next kernel's, starts while one streams),
-# and no more than the split has stages of groups. H200, CUDA graph over weight copies (benchmarks/results/
-# h200-2026-11-30-session19/probe_wgmma_sweep.txt): programs of 91-112 KB were the fastest or within 2% of it on
+# and no more than the split has stages of groups. H200, CUDA graph over weight copies (2026-11-30): programs of 91-112 KB were the fastest or within 2% of it on
 # 28672x4096, 4096x14336, 7168x16384 and 6144x4096 at M = 4 / 8; at M = 16 (16-row activation tiles) the 122 KB
 # programs of 6 stages lost 10-20% where a program shares its SM (28672x4096: 33.5 vs 29.3 us with 5 stages), and won
 # only where every program has an SM to itself.

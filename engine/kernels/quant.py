@@ -133,8 +133,7 @@ def _store_f32(ptr, v, mask):
 
     A tl.store of a reduction's result (a slice layout) makes Triton convert it to a store layout through
     shared memory, with two CTA barriers: in the persistent RMSNorm kernel that was 2 of the row loop's 5
-    barriers, and the warps' wait at them was the kernel's largest stall (H200 ncu, benchmarks/results/
-    h200-2026-11-29-session10/). Threads that hold the same element store the same value to the same
+    barriers, and the warps' wait at them was the kernel's largest stall (H200 ncu, 2026-11-29). Threads that hold the same element store the same value to the same
     address (one transaction per warp)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
                               "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), v, mask.to(tl.int32)], dtype=tl.int32,
@@ -438,7 +437,7 @@ def _pow2_knob(name: str, v: int, hi: int) -> int:
 def _default_bm(bm: int, rows: int) -> int:
     """The default rows per program, capped at the call's rows rounded up to a power of two: a decode step's
     single row in a 16- or 32-row tile wastes the masked rows' work (H200: SwiGLU+quant of 1 x 14336 3.9 us at
-    16 rows per program, 1.4 us at 1; benchmarks/results/h200-2026-11-29-session6/probe_small.txt). Tilings
+    16 rows per program, 1.4 us at 1; 2026-11-29). Tilings
     never change act_quant / SwiGLU bits."""
     return min(bm, triton.next_power_of_2(max(rows, 1)))
 
@@ -479,7 +478,7 @@ SWIGLU_DEFAULTS = dict(bm=16, gb=1, num_warps=4, fast_silu=True)
 # RMSNorm: "chunked" = _rmsnorm_quant_kernel (bm rows, gb groups per step, two passes unless gb*128 >= K),
 # "persistent" = _rmsnorm_quant_persistent_kernel (programs_per_sm programs per SM, one pass, pipelined).
 # Rows of 33..128 groups default to persistent (H200 16384 x 7168 bf16: 2.63 TB/s vs 1.83 for chunked two-pass,
-# benchmarks/results/h200-2026-11-29-session7/probe_rms.txt); wider rows and mode="chunked" take the chunked knobs.
+# 2026-11-29); wider rows and mode="chunked" take the chunked knobs.
 RMSNORM_DEFAULTS = dict(mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)
 RMSNORM_CHUNKED_DEFAULTS = dict(bm=1, gb=8, num_warps=4, num_stages=2)
 SMALL_ROW_GROUPS = 32  # rows of <= 32 groups (K <= 4096) default to the one-pass whole-row tile (see rmsnorm_quant)

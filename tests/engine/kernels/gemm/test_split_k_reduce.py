@@ -1,0 +1,362 @@
+"""The split-K reduce of engine/kernels/gemm.py: the fused reduce (the last split of each tile sums the partials,
+`_last_split_reduce`) and the cluster reduce (the splits of a tile as one thread-block cluster, partials summed through
+distributed shared memory, `_cluster_reduce`) give the bits of the reduce kernel (`_splitk_reduce_kernel`).
+
+* Host side (CPU, no kernel launched): the counter buffer, when a call takes which reduce, the burst rule, the
+  cluster rules and launch metadata.
+* Kernels: `gpu` + `interpreter` tests also run on CPU tensors under TRITON_INTERPRET=1 (fewer split counts there,
+  `by_device`: still full and short bursts of 4 and 2 partials); the cluster reduce and CUDA graphs need the GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from engine.kernels import gemm as G
+from tests.engine.kernels.gemm.common import TOL, Launch, block_operands, randn, rel, same_bits
+from tests.engine.kernels.gemm.common import zero_operands as _operands
+from tests.support.interpret import INTERPRET, by_device
+
+GEMM_TOL = TOL[torch.float32]
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Empty counter registries for the test."""
+    monkeypatch.setattr(G, "_COUNTERS", {})
+    monkeypatch.setattr(G, "_RETIRED", [])
+    return G
+
+
+def test_counters_grow_by_doubling_and_retire_without_freeing(fresh):
+    """Large enough: the same zeroed buffer. Too small: a new zeroed one, at least twice as large; the old one
+    stays allocated (a CUDA graph captured with it still uses its address)."""
+    dev = torch.device("cpu")
+    a = fresh._tile_counters(dev, 10)
+    assert a.dtype == torch.int32 and a.numel() == 4096 and int(a.abs().sum()) == 0
+    assert fresh._tile_counters(dev, 4096) is a
+    old = weakref.ref(a)
+    del a
+    b = fresh._tile_counters(dev, 4097)
+    gc.collect()
+    assert b.numel() == 8192 and old() is not None and old() is not b
+    assert fresh._tile_counters(dev, 5 << 13).numel() == 5 << 13
+    assert len(fresh._RETIRED) == 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_k_dispatch(fresh, monkeypatch, fused):
+    """4 K splits: fused, one launch with FUSED_REDUCE that gets the shared counters and no reduce kernel; not
+    fused, the reduce kernel sums the launch's partials (the same bits, one launch more)."""
+    kern, reduced = Launch(), []
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(fresh, "_reduce", lambda part, out, *a, **kw: reduced.append(part))
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=fused)
+    (grid, args, meta), = kern.calls
+    assert grid == (4, 1, 4) and tuple(args[5].shape) == (4, 3, 256)
+    assert meta["FUSED_REDUCE"] is fused and meta["USE_PART"] is True
+    # 16 programs on the CPU's 4 "SMs": more than 2 per SM, one partial per round trip; unfused: no reduce in-kernel
+    assert meta["RED"] == 1
+    if fused:
+        assert not reduced and args[7] is fresh._COUNTERS[x.device]
+    else:
+        assert reduced and reduced[0] is args[5] and x.device not in fresh._COUNTERS
+
+
+@pytest.mark.parametrize("sms, red", [(8, 4), (7, 1), (1000, 4)])
+def test_split_k_dispatch_passes_the_burst_rule(fresh, monkeypatch, sms, red):
+    """The fused reduce's RED is `reduce_burst` of the launch's splits and program count: 16 programs over 8 SMs
+    fit 2 per SM (4 partials per trip), over 7 they do not (1)."""
+    kern = Launch()
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(fresh, "sm_count", lambda device: sms)
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=True)
+    (grid, _, meta), = kern.calls
+    assert grid == (4, 1, 4) and meta["RED"] == red
+
+
+@pytest.mark.parametrize("splits, programs, sms, burst, red", [
+    (1, 10, 132, 4, 1), (2, 128, 132, 4, 2), (3, 192, 132, 4, 4), (4, 264, 132, 4, 4), (4, 265, 132, 4, 1),
+    (16, 256, 132, 4, 4), (4, 256, 132, 2, 2), (4, 256, 132, 1, 1), (2, 256, 132, 1, 1)])
+def test_reduce_burst_rule(monkeypatch, splits, programs, sms, burst, red):
+    """Partials per round trip: none to sum without a split; 2 for 2 splits; REDUCE_BURST for more; 1 once the grid
+    needs more than 2 programs per SM (the burst's registers could cost one) or when REDUCE_BURST is 1."""
+    monkeypatch.setattr(G, "REDUCE_BURST", burst)
+    assert G.reduce_burst(splits, programs, sms) == red
+
+
+def test_unsplit_call_uses_no_counters(fresh, monkeypatch):
+    """One K split: no partials, no counters, no reduce, whatever fused_reduce says."""
+    kern = Launch()
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=1, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=True)
+    (_, _, meta), = kern.calls
+    assert meta["FUSED_REDUCE"] is False and meta["USE_PART"] is False and not fresh._COUNTERS
+
+
+# ------------------------------------------------------------------------------------------ cluster reduce
+def test_cluster_knob_falls_back_to_the_counters_off_cuda(fresh, monkeypatch):
+    """cluster=True where clusters cannot run (here: the CPU) is the fused reduce: same bits, the normal launch."""
+    kern = Launch()
+    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: pytest.fail("no cluster launch off CUDA"))
+    x, xs, w, ws = _operands()
+    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                                num_stages=3, fused_reduce=True, cluster=True)
+    (grid, _, meta), = kern.calls
+    assert grid == (4, 1, 4) and meta["FUSED_REDUCE"] is True and "CLUSTER" not in meta
+
+
+class _FakeCuda:
+    """What `_cluster_ok` reads of an operand on a CUDA device."""
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("splits,bn,ok", [(2, 64, True), (4, 64, True), (8, 16, True), (8, 128, True),
+                                          (1, 64, False), (3, 64, False), (16, 64, False), (16, 128, False)])
+def test_cluster_rules(monkeypatch, splits, bn, ok):
+    """Portable cluster sizes 2 / 4 / 8 only (a single split needs no reduce; 16 is non-portable)."""
+    monkeypatch.setattr(G.cl, "supported", lambda index: True)
+    assert G._cluster_ok(_FakeCuda(), splits, bn) is ok
+    monkeypatch.setattr(G.cl, "supported", lambda index: False)  # before sm_90
+    assert G._cluster_ok(_FakeCuda(), splits, bn) is False
+
+
+def test_cluster_dispatch_passes_every_kernel_argument(fresh, monkeypatch):
+    """The cluster launch names every argument of the real kernel (the launcher passes them by position), asks for
+    clusters of `splits` CTAs over (N tiles, M tiles) with BN x BM fp32 of reduce region each, and allocates neither
+    partials nor counters."""
+    calls = []
+    monkeypatch.setattr(fresh, "_cluster_ok", lambda x, splits, bn: True)
+    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: calls.append((a, kw)))
+    x, xs, w, ws = _operands(m=20, n=320, k=1920)
+    out = fresh.fp8_block_gemm_triton(x, xs, w, ws, bias=torch.ones(320), out_dtype=torch.bfloat16, split_k=8,
+                                      block_n=32, num_warps=4, num_stages=5, cluster=True)
+    ((kernel, grid, size, region, args), opts), = calls
+    assert kernel is G._fp8_block_gemm_kernel and set(args) == set(kernel.arg_names)
+    assert grid == (10, 1) and size == 8 and region == 32 * 32 * 4 and opts == dict(num_warps=4, num_stages=5)
+    assert args["CLUSTER"] == 8 and args["groups_per_split"] == 2 and args["n_splits"] == 8
+    assert args["out_ptr"] is args["part_ptr"] and args["HAS_BIAS"] is True and args["FUSED_REDUCE"] is False
+    assert out.shape == (20, 320) and not fresh._COUNTERS
+
+
+class _Compiled:
+    """Stands in for a Triton CompiledKernel."""
+
+    def __init__(self, shared):
+        self.metadata = type("Meta", (), {"shared": shared, "num_warps": 4})()
+        self.function, self.name = 1234, "_fp8_block_gemm_kernel"
+        self.packed_metadata = (4, 1, shared)
+
+    def _init_handles(self):
+        pass
+
+
+def test_prepare_rewrites_the_launch_metadata_once(monkeypatch):
+    """Clusters of `size` CTAs with the kernel's shared memory (rounded to 16 B) plus the region; checked against the
+    device's occupancy once per compiled kernel; a cluster that does not fit is a clear error."""
+    from engine.kernels import cluster as cl
+
+    asked = []
+    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: asked.append((fn, shared, size)) or 7)
+    c = _Compiled(51208)
+    cl._prepare(c, 4, 4096)
+    assert c.packed_metadata == (4, 4, 51216 + 4096) and asked == [(1234, 55312, 4)] and c._engine_max_clusters == 7
+    cl._prepare(c, 4, 4096)
+    assert len(asked) == 1
+    cl._prepare(c, 8, 4096)  # another cluster size: asked again
+    assert c.packed_metadata == (4, 8, 55312) and len(asked) == 2
+    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: 0)
+    with pytest.raises(RuntimeError, match="cluster of 8 CTAs of _fp8_block_gemm_kernel with 232448 B"):
+        cl._prepare(_Compiled(228352), 8, 4096)
+
+
+# ------------------------------------------------------------------ the kernels
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m", by_device([1, 5], [5]))
+def test_fp8_gemm_knobs_and_fused_reduce(m):
+    """block_n / split_k / warps / stages within tolerance; fused split-K reduce == two-kernel path, bit for bit."""
+    n, k = by_device(320, 136), 1152  # K/128 = 9 groups: uneven splits; N not a multiple of 128
+    xd, xs, wd, ws = block_operands(m, n, k, seed=10 + m)
+    bias = randn(n, seed=12)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    for bn in (32, 128):
+        for split in (1, 4):
+            plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32, split_k=split,
+                                            block_n=bn, num_warps=4, num_stages=3)
+            assert rel(plain, ref) < GEMM_TOL, (bn, split)
+            fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32, split_k=split,
+                                            block_n=bn, num_warps=4, num_stages=3, fused_reduce=True)
+            assert torch.equal(fused, plain), (bn, split)
+    assert int(G._COUNTERS[xd.device].abs().sum()) == 0  # the last split of each tile reset its counter
+    with pytest.raises(ValueError, match="block_n"):
+        G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k, splits", by_device([(2048, (2, 3, 4, 6, 8, 16)), (1152, (5, 9))],
+                                             [(1024, (2, 4, 8)), (1152, (3, 5))]))
+def test_fused_reduce_bursts_same_bits(monkeypatch, k, splits):
+    """The fused reduce loading four, two or one partials per round trip (the kernels' RED, forced through
+    `reduce_burst`; on this little CPU grid the rule gives 1) gives the two-kernel path's bits at every split count,
+    full bursts (4, 8, 16 splits) and a short last one (2, 3, 5, 6, 9), on the FP8 split-K kernel, and on the MX
+    kernel (MXFP8 x MXFP8 and bf16 x NVFP4) at 4, 5 and 9 splits."""
+    from engine.formats import quantize
+
+    m, n = 5, 128
+    xd, xs, wd, ws = block_operands(m, n, k, seed=k)
+    x = randn(m, k, seed=3).to(torch.bfloat16)
+    w32 = randn(n, k, seed=4)
+    mx_cases = [(quantize(x.float(), "mxfp8"), G.prepare_mx_weight(quantize(w32, "mxfp8"))),
+                (x, G.prepare_mx_weight(quantize(w32, "nvfp4")))]
+    for split in splits:
+        assert G._plan_split(m, n, k // 128, 16, 64, xd.device, split)[0] == split
+        kw = dict(split_k=split, block_n=64, num_warps=4, num_stages=3, sliced=False)
+        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=False, **kw)
+        # the interpreter: 5 splits (short last bursts of 4 and of 2) of the NVFP4 case, whose reduce applies the tensor
+        # scale (the MXFP8 one sums as the FP8 kernel's does)
+        mx = (mx_cases if split in (4, 5, 9) else []) if not INTERPRET else (mx_cases[1:] if split == 5 else [])
+        mx_plain = [G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=False) for a, b in mx]
+        for burst in (4, 2, 1):
+            monkeypatch.setattr(G, "reduce_burst", lambda splits, programs, sms, r=burst: r)
+            fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=True, **kw)
+            assert same_bits(fused, plain), (split, burst)
+            for (a, b), ref in zip(mx, mx_plain):
+                got = G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=True)
+                assert same_bits(got, ref), (split, burst)
+
+
+@pytest.mark.gpu
+def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
+    """A CUDA graph captured with the fused split-K reduce keeps working after a call with more tiles has grown the
+    counter buffer: the old buffer is retired, not freed, and every call leaves its counters at zero."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setitem(G._COUNTERS, dev, torch.zeros(8, dtype=torch.int32, device=dev))
+    monkeypatch.setattr(G, "_RETIRED", [])
+    small = weakref.ref(G._COUNTERS[dev])  # only the module may keep the captured buffer alive
+    xd, xs, wd, ws = block_operands(4, 512, 2048, seed=40)  # 8 tiles of 64 rows
+    kw = dict(out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True,
+              sliced=False)  # M = 4 with 4 splits would otherwise run the sliced kernel, which has no counters
+    want = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+    assert G._COUNTERS[dev] is small()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+    big = block_operands(4, 2048, 2048, seed=41)  # 32 tiles: a new counter buffer
+    G.fp8_block_gemm_triton(*big, **kw)
+    assert G._COUNTERS[dev] is not small() and G._COUNTERS[dev].numel() >= 4096
+    assert small() is not None  # retired, not freed: the graph's counters are still this tensor's memory
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert int(small().abs().sum()) == 0 and int(G._COUNTERS[dev].abs().sum()) == 0
+
+
+@pytest.fixture
+def cluster_launches(monkeypatch):
+    """Cluster sizes of the cluster-reduce launches made during the test (engine.kernels.cluster.launch spied)."""
+    from engine.kernels import cluster as cl
+
+    sizes, real = [], cl.launch
+
+    def spy(kernel, grid, size, region, args, **options):
+        sizes.append(size)
+        return real(kernel, grid, size, region, args, **options)
+
+    monkeypatch.setattr(cl, "launch", spy)
+    return sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
+def test_cluster_reduce_same_bits_as_fused(m, cluster_launches):
+    """The K splits of each tile as one thread-block cluster, reduced through distributed shared memory: the same bits
+    as the fused reduce for 2 / 4 / 8 splits (uneven last splits), 16-128 weight rows per tile, fp32 and bf16 output
+    with bias, and the bf16-rounded fp32 carrier; every call really ran as a cluster."""
+    n, k = 320, 1920  # 15 K groups: every split count leaves a shorter last split; N not a multiple of the tile
+    xd, xs, wd, ws = block_operands(m, n, k, seed=50 + m)
+    bias = randn(n, seed=51)
+    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
+    cases = 0
+    for bn in (16, 64, 128):
+        for split in (2, 4, 8):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                kw = dict(bias=bias, out_dtype=out_dtype, split_k=split, block_n=bn, num_warps=4, num_stages=3)
+                fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
+                clus = G.fp8_block_gemm_triton(xd, xs, wd, ws, cluster=True, **kw)
+                assert torch.equal(clus, fused), (bn, split, out_dtype)
+                cases += 1
+            assert rel(clus, ref) < 1e-2  # bf16 output
+            strides = (xs.stride(0), xs.stride(1)), (ws.stride(0), ws.stride(1))
+            rounded = [G._launch_fp8(xd, xs, strides[0], wd, ws, strides[1], bias, torch.float32, split, block_n=bn,
+                                     num_warps=4, num_stages=3, round_bf16=True, **{key: True})
+                       for key in ("fused_reduce", "cluster")]
+            assert torch.equal(rounded[1], rounded[0]) and torch.equal(rounded[1], rounded[1].bfloat16().float())
+            cases += 1
+    assert cluster_launches == [s for bn in (16, 64, 128) for s in (2, 4, 8) for _ in range(3)] and cases == 27
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["fused_reduce", "cluster"])
+@pytest.mark.parametrize("m", [2, 16])
+def test_split_k_reduce_with_nan_and_inf_partials(m, how, cluster_launches):
+    """NaN / Inf in one split's partial sums (a NaN activation, an Inf activation scale) reach the output through the
+    fused reduce and through the cluster reduce exactly as through the reduce kernel; the fused reduce leaves its
+    counters at zero, the cluster reduce really ran in clusters."""
+    n, k = 256, 1024
+    xd, xs, wd, ws = block_operands(m, n, k, seed=30 + m)
+    xd = xd.clone()
+    xd[0, 5] = float("nan")  # e4m3fn has a NaN and no Inf: the Inf comes from a scale
+    xs = xs.clone()
+    xs[m - 1, 6] = float("inf")
+    for split in (2, 8):
+        kw = dict(out_dtype=torch.float32, split_k=split, block_n=64, num_warps=4, num_stages=3)
+        plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=False, **kw)
+        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **{how: True}, **kw)
+        assert bool(plain[0].isnan().all()) and not bool(plain[m - 1].isfinite().all())
+        torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+    if how == "cluster":
+        assert cluster_launches == [2, 8]
+    else:
+        assert int(G._COUNTERS[xd.device].abs().sum()) == 0 and not cluster_launches
+
+
+@pytest.mark.gpu
+def test_cluster_reduce_in_a_graph_with_and_without_pdl(cluster_launches):
+    """Cluster launches captured in a CUDA graph replay to the eager bits, with programmatic dependent launch on and
+    off; the device holds at least one cluster of the kernel."""
+    from engine.kernels import pdl
+
+    xd, xs, wd, ws = block_operands(4, 1024, 4096, seed=70)
+    kw = dict(out_dtype=torch.bfloat16, split_k=4, block_n=64, num_warps=4, num_stages=5, cluster=True)
+    want = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **{k_: v for k_, v in kw.items()
+                                                                        if k_ != "cluster"})
+    for on in (True, False):
+        old = pdl.set_enabled(on)
+        try:
+            assert torch.equal(G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw), want)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
+            for _ in range(3):
+                got.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(got, want), on
+        finally:
+            pdl.set_enabled(old)
+    assert cluster_launches == [4] * 4
