@@ -3,7 +3,7 @@
 Every numeric constant of a format (largest normal, smallest normal, smallest
 subnormal, exponent range) is *derived* here from ``ebits``/``mbits``/``bias``
 and the format's special-value rule; nothing else in the engine should
-hard-code ``448`` or ``57344``.  ``tests/formats/test_formats_table.py``
+hard-code ``448`` or ``57344``.  ``tests/engine/formats/test_formats_table.py``
 checks the derived numbers against hard-coded known values and against
 ``torch.finfo`` where torch has the dtype.
 

@@ -54,7 +54,7 @@ def _keep_rounded(s, keep):
     the compiler contracts the last scaling of the scores (s * row_scale) and the softmax's s - max into
     one FMA, whose unrounded product makes the row maximum's exp2 argument the product's rounding error
     instead of 0: harmless at ordinary magnitudes, exp2(+huge) = inf -> NaN for scores near 2**60
-    (tests/test_kernel_knobs_gpu.py::test_paged_decode_qk_fp16_is_exact_for_extreme_q). `keep` must not
+    (tests/engine/kernels/test_paged_kv.py::test_paged_decode_qk_fp16_is_exact_for_extreme_q). `keep` must not
     be a compile-time constant, or the select folds away."""
     return tl.where(keep, s, float("-inf"))
 

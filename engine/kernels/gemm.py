@@ -1194,7 +1194,7 @@ def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int
     ceil(K/128 / slices), as `_plan_split`) and block_n weight rows each (default 64 / slices: 64-row MMA tiles) per
     program, activation tiles of BM = the next power of two >= M (at least 16 / slices columns per slice, so that the
     MMA's N side is >= 16). On the H200 the same bits as the split-K kernel with 64-row tiles, 4 warps and the same
-    K partition, and its reduce (`probe_kernels.py --only gemm_sliced`, tests/test_gemm_gpu.py)."""
+    K partition, and its reduce (`probe_kernels.py --only gemm_sliced`, tests/engine/kernels/gemm/test_fp8_block.py)."""
     m, k = x.shape
     n = w.shape[0]
     if slices not in SLICES:
@@ -1513,7 +1513,7 @@ def legacy_scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_da
     returns relative errors of 0.38-0.53, with no exception, whenever K/128 is not a multiple of 4
     (K = 640, 896, 1152, 1408): cuBLAS reads the weight-scale grid with a leading dimension padded
     to a multiple of 4, i.e. the wrong scales. :func:`scaled_mm_blockwise` pads correctly. A
-    numerics harness must catch exactly this class of bug; tests/test_gemm_gpu.py keeps it caught.
+    numerics harness must catch exactly this class of bug; tests/engine/kernels/gemm/test_fp8_block.py keeps it caught.
     Needs M % 4 == 0 and K, N multiples of 16 (it does no padding).
     """
     x, xs, w, ws, _ = _block_operands(x_data, x_scale, w_data, w_scale)

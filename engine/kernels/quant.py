@@ -110,7 +110,7 @@ def _quant_groups_fast(h, amax, off, mask, sptr, smask, out_ptr):
     `_fast_domain`, wrong bits for the others). CUDA only (inline PTX).
 
     scale = RN(amax / 448) by Markstein's refinement with the constant RN(1/448) (`_div_by_scale`: exact for
-    every amax in the fast domain, whose quotients are all normal; tests/test_quant_division.py checks a whole
+    every amax in the fast domain, whose quotients are all normal; tests/engine/kernels/test_quant.py checks a whole
     binade against IEEE division); 1/scale by PTX rcp.rn.f32 (IEEE round-to-nearest, the bits of
     div_rn(1, scale)). Each replaces an IEEE division's ~10-instruction sequence and slow-path branch. The
     scales are stored from the reduction's own register layout (`_store_f32`)."""
@@ -147,7 +147,7 @@ def _div_by_scale(x, s, r):
     RN(x / s) -- for every quotient that E4M3 does not flush to zero, given 2^-80 <= amax < inf (smaller
     quotients may differ in the last fp32 bits, below E4M3's smallest subnormal: the same FP8 bits). The
     residual is formed as q*s - x and added times -r, so that x = -0 gives -0: `-x` in Triton is 0 - x
-    (+0 for x = +0), `x * -1.0` the exact negation; -r is exact (r > 0). tests/test_quant_division.py checks
+    (+0 for x = +0), `x * -1.0` the exact negation; -r is exact (r > 0). tests/engine/kernels/test_quant.py checks
     the algorithm against IEEE division with an exact fma on the CPU; the GPU kernel tests check the
     kernels' bits."""
     q = x * r

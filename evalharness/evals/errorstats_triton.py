@@ -1,7 +1,7 @@
 """Triton kernels: fold one tap's (engine, reference) pair into an `ErrorAccumulator`'s state in two launches.
 
 Same state and same statistics as the pure-torch `evalharness.evals.errorstats.fold_reference` (the
-reference these kernels are tested against, tests/test_errorstats_gpu.py):
+reference these kernels are tested against, tests/evalharness/evals/test_errorstats_triton.py):
 
 * ``_partials_kernel``: P <= MAX_PROGRAMS programs of ITERS blocks of BLOCK elements each (ITERS a power
   of two, both functions of n only, so the summation order, hence every bit, is the same on every GPU)

@@ -133,6 +133,7 @@ def test_gate_sh_end_to_end(tmp_path):
     assert all(ts.get("failures") == "0" for ts in root.iter("testsuite"))
 
 
+@pytest.mark.slow
 def test_gate_sh_bad_suite(tmp_path):
     """A suite that does not parse: exit 2 and a summary saying so."""
     bad = tmp_path / "bad.yaml"

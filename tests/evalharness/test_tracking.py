@@ -65,6 +65,7 @@ def logged(tmp_path_factory) -> dict:
             "parents": [r for r in runs if r.data.tags.get("kind") == "suite"]}
 
 
+@pytest.mark.slow
 def test_store_is_sqlite_beside_results(logged):
     """The default store is <out>/mlflow.db with artifacts in <out>/mlartifacts."""
     out = logged["out"]
@@ -73,6 +74,7 @@ def test_store_is_sqlite_beside_results(logged):
     assert (out / "mlartifacts").is_dir()
 
 
+@pytest.mark.slow
 def test_parent_and_children(logged):
     """One parent run (the suite invocation) with both recipes as nested children; `log` added none."""
     assert len(logged["parents"]) == 1 and set(logged["child"]) == {FP32, FP8}
@@ -88,6 +90,7 @@ def test_parent_and_children(logged):
     assert [a.path for a in logged["client"].list_artifacts(parent.info.run_id, "suite")] == ["suite/suite.json"]
 
 
+@pytest.mark.slow
 def test_params_and_tags(logged):
     """Flat params (model, recipe name + every site, serving, backend, seed, suite) and provenance tags."""
     run = logged["child"][FP8]
@@ -108,6 +111,7 @@ def test_params_and_tags(logged):
     assert t["mlflow.runName"] == FP8 and "nonfinite_metrics" not in t
 
 
+@pytest.mark.slow
 def test_metrics_and_per_layer_step_series(logged):
     """Every finite metric is logged as is; per-layer stats are step series indexed by layer."""
     client, run = logged["client"], logged["child"][FP8]
@@ -129,6 +133,7 @@ def test_metrics_and_per_layer_step_series(logged):
         assert hist == {i: v for i, v in enumerate(by_pos) if v is not None}
 
 
+@pytest.mark.slow
 def test_artifacts(logged, tmp_path):
     """Result JSON, per-layer CSV (layer, tap, stat, value), error-vs-depth PNGs and the gate summary."""
     client, run = logged["client"], logged["child"][FP8]
@@ -150,6 +155,7 @@ def test_artifacts(logged, tmp_path):
     assert doc == load_result(logged["out"] / f"{FP8}.json")
 
 
+@pytest.mark.slow
 def test_relog_is_idempotent_and_force_replaces(logged, capsys):
     """`log` again changes nothing; `log --force` replaces each child (same count, new ids, same parent)."""
     out, client, exp = logged["out"], logged["client"], logged["exp"]
@@ -166,6 +172,7 @@ def test_relog_is_idempotent_and_force_replaces(logged, capsys):
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {logged["parents"][0].info.run_id}
 
 
+@pytest.mark.slow
 def test_position_series_and_nonfinite(logged, tmp_path):
     """A result with `samples.ppl_kld.kld_by_position` and a null metric: a step series and a tag."""
     src = load_result(logged["out"] / f"{FP32}.json")
@@ -201,6 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_unreachable_server_does_not_fail_run(tmp_path, monkeypatch, capsys):
     """`run --tracking-uri http://<nothing>`: exit 0, every result on disk and valid, one warning, fast."""
     for k, v in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
@@ -257,6 +265,7 @@ def test_log_missing_dir_is_bad_input(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_same_file_from_another_folder_is_unchanged(logged, tmp_path):
     """The same result file logged from another folder is recognised by its sha: no duplicate."""
     d = tmp_path / "copy"
