@@ -123,6 +123,7 @@ def _prepare_subset(model: Transformer, nx: Numerics, prefixes: tuple[str, ...])
     return part.prepare(nx)
 
 
+@pytest.mark.slow
 def test_zoo_moe_matches_reference_and_fp8_block_runs(zoo):
     """Our trained DeepSeek-V3-architecture MoE: fp32 == transformers; fp8-block gives a finite, positive KLD."""
     loaded, model = zoo

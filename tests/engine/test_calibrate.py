@@ -35,6 +35,7 @@ def _kld(model, recipe, tokens):
     return float((ref.exp() * (ref - out)).sum(-1).mean())
 
 
+@pytest.mark.slow
 def test_stage_scales_shared_within_stages(tiny):
     """2 stages over 4 layers: layers 0-1 share one scale per module kind, 2-3 another."""
     model, batches, _ = tiny
@@ -50,6 +51,7 @@ def test_stage_scales_shared_within_stages(tiny):
     assert s["layers.0.mlp.down_proj"] == max(per_layer["layers.0.mlp.down_proj"], per_layer["layers.1.mlp.down_proj"])
 
 
+@pytest.mark.slow
 def test_static_recipe_round_trips_through_yaml(tiny, tmp_path):
     """A calibrated recipe is plain data: written as YAML, loaded back identical."""
     model, batches, _ = tiny

@@ -76,6 +76,7 @@ def test_gate_passes_against_committed_baselines(smoke_results, tmp_path, capsys
     assert summary.read_text().startswith("# Numerics gate: PASS")
 
 
+@pytest.mark.slow
 def test_planted_bad_recipe_fails_gate_with_evidence(tmp_path, capsys):
     """fp8-block with an E4M3 residual stream, run on tiny-llama under the fp8-block key at the suite's full
     settings (so that the committed baseline applies), fails the gate (exit 1)."""
@@ -261,6 +262,7 @@ def test_baseline_update_prints_diff(smoke_results, tmp_path, capsys):
     assert load_result(base / "smoke" / "tiny-llama__fp32__default__cpu-emulated.json")["kind"] == "baseline"
 
 
+@pytest.mark.slow
 def test_stories260k_on_wikitext_with_data_dir(data_dir, tmp_path):
     """With --data-dir the smoke suite also runs the real stories260K on WikiText-2 (run here alone, as the suite
     lists it: the other models' fp8-block runs are gated by test_gate_passes_against_committed_baselines)."""

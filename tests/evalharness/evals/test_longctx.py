@@ -229,6 +229,7 @@ def test_longctx_eval_reuses_reference_across_recipes(tiny):
     assert m["kld_mean"] <= 1e-8 < out["bf16"][0]["kld_mean"]
 
 
+@pytest.mark.slow
 def test_passkey_zoo_llama_fp32_engine_equals_reference():
     """A really trained model (zoo-llama, in the repo): the fp32 engine's passkey answers equal the reference's."""
     path = REPO / "zoo" / "zoo-llama"

@@ -44,6 +44,7 @@ def test_topk_full_vocab_equals_exact_and_small_k_is_a_lower_bound(parts):
     assert small["ppl_ref"] == pytest.approx(exact["ppl_ref"], rel=1e-12)  # target log-probs are stored exactly
 
 
+@pytest.mark.slow
 def test_disk_cache_is_reused_across_invocations(parts, tmp_path):
     """A second invocation (new in-memory cache) reads the reference from disk: zero reference passes."""
     c1 = _ctx(parts, str(tmp_path))
@@ -59,6 +60,7 @@ def test_disk_cache_is_reused_across_invocations(parts, tmp_path):
     assert c3.counters.get("reference_passes_topk") == 1 and m3["kld_mean"] == m1["kld_mean"]
 
 
+@pytest.mark.slow
 def test_matrix_of_recipes_runs_the_reference_once(parts):
     """N recipes sharing one invocation's cache: one reference pass in total."""
     engine, ref, loaded = parts
