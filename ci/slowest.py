@@ -12,32 +12,19 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
-def slowest(files: list[Path], n: int) -> list[tuple[float, str]]:
-    """(seconds, test id) of the n slowest test cases in the JUnit files (missing files are skipped)."""
+def read_cases(files: list[Path]) -> list[tuple[float, str, str]]:
+    """(seconds, test id, outcome: passed / failed / skipped) of every test case in the JUnit files (missing files
+    are skipped); a failure or an error counts as failed."""
     cases = []
     for f in files:
         if not f.is_file():
             continue
         for case in ET.parse(f).getroot().iter("testcase"):
-            name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            cases.append((float(case.get("time", 0.0)), f"{name} ({f.stem})"))
-    return sorted(cases, reverse=True)[:n]
-
-
-def totals(files: list[Path]) -> dict[str, int]:
-    """Passed / failed (failures + errors) / skipped test cases over the JUnit files."""
-    out = {"passed": 0, "failed": 0, "skipped": 0}
-    for f in files:
-        if not f.is_file():
-            continue
-        for case in ET.parse(f).getroot().iter("testcase"):
-            if case.find("failure") is not None or case.find("error") is not None:
-                out["failed"] += 1
-            elif case.find("skipped") is not None:
-                out["skipped"] += 1
-            else:
-                out["passed"] += 1
-    return out
+            name = f"{case.get('classname', '')}::{case.get('name', '')} ({f.stem})"
+            failed = case.find("failure") is not None or case.find("error") is not None
+            outcome = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
+            cases.append((float(case.get("time", 0.0)), name, outcome))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=15)
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
-    rows = slowest(args.files, args.n)
+    cases = read_cases(args.files)
+    rows = sorted(cases, reverse=True)[:args.n]
     print(f"{len(rows)} slowest tests (setup + call + teardown):")
-    for seconds, name in rows:
+    for seconds, name, _ in rows:
         print(f"{seconds:8.2f}s  {name}")
-    t = totals(args.files)
-    print(f"ci: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped")
+    count = {o: sum(c[2] == o for c in cases) for o in ("passed", "failed", "skipped")}
+    print(f"ci: {count['passed']} passed, {count['failed']} failed, {count['skipped']} skipped")
     return 0
 
 

@@ -171,8 +171,9 @@ def _needs(block: Block) -> str | None:
     return None
 
 
-def _commands(block: Block) -> list[str]:
-    """A bash block's commands: continuation lines joined, comments and pip-install steps dropped."""
+def _commands(block: Block, ci_commands: set[str]) -> list[tuple[str, str | None]]:
+    """A bash block's commands as (command, URL it serves or None): continuation lines joined, comments, pip-install
+    steps and the README's test commands (`ci_commands`) dropped, smoke runs made small."""
     joined, cur = [], ""
     for line in block.lines:
         cur += line.rstrip()
@@ -182,7 +183,6 @@ def _commands(block: Block) -> list[str]:
         joined.append(cur)
         cur = ""
     out = []
-    ci_commands = set(readme_test_commands())
     for line in joined:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -192,7 +192,7 @@ def _commands(block: Block) -> list[str]:
                  if not PIP.match(p) and p.split(" #")[0].strip() not in ci_commands]
         parts = [SMOKE_RUN.sub(lambda m: f"{m.group(1)} --set '{SMALL_SMOKE}'", p) for p in parts]
         if parts:
-            out.append(" && ".join(parts) + (f"  # serves: {served.group(1)}" if served else ""))
+            out.append((" && ".join(parts), served.group(1) if served else None))
     return out
 
 
@@ -203,10 +203,9 @@ class Page:
     env: dict
     servers: list = field(default_factory=list)
 
-    def run(self, where: str, command: str) -> None:
-        served = SERVES.search(command)
-        if served:
-            self.serve(where, SERVES.sub("", command), served.group(1))
+    def run(self, where: str, command: str, url: str | None = None) -> None:
+        if url:
+            self.serve(where, command, url)
             return
         t0 = time.time()
         proc = subprocess.run(["bash", "-eo", "pipefail", "-c", command], cwd=self.root, env=self.env,
@@ -273,6 +272,7 @@ def test_command_blocks_run_as_written(page, tmp_path):
            "GIT_COMMITTER_EMAIL": "docs@localhost", "GATE_ARGS": f"--set {SMALL_SMOKE}"}
     env.pop("EVALHARNESS_DATA_DIR", None)  # the pages say where the data is
     run = Page(root, env)
+    ci_commands = set(readme_test_commands())
     skipped, ran = [], 0
     try:
         for b in page_blocks:
@@ -289,8 +289,8 @@ def test_command_blocks_run_as_written(page, tmp_path):
             if why:
                 skipped.append(f"{where} ({why})")
                 continue
-            for command in _commands(b):
-                run.run(where, command)
+            for command, url in _commands(b, ci_commands):
+                run.run(where, command, url)
                 ran += 1
     finally:
         run.stop()
