@@ -18,3 +18,15 @@ class WeightsError(EngineError):
 
 class RecipeError(EngineError):
     """A precision recipe is malformed (unknown key, bad format string, cyclic `extends`)."""
+
+
+class CheckpointError(EngineError):
+    """A llama2.c checkpoint is unreadable: bad header, wrong size, or missing.
+
+    The message always names the file, what was expected vs. what was found,
+    and what to do about it.
+    """
+
+
+class TokenizerMismatchError(EngineError):
+    """A tokenizer cannot be used with a model (vocab or special ids out of range)."""

@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.errors import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -61,14 +63,6 @@ _F32 = np.dtype("<f4")  # every tensor in the file is little-endian fp32
 
 _ROPE_THETA = 10000.0
 _RMS_EPS = 1e-5
-
-
-class CheckpointError(ValueError):
-    """A llama2.c checkpoint is unreadable: bad header, wrong size, or missing.
-
-    The message always names the file, what was expected vs. what was found,
-    and what to do about it.
-    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -63,7 +63,7 @@ class Transformer:
     the config). fp32 tensors are kept as they are, not copied (`.float()`
     returns an fp32 tensor itself; stacked experts become views), so the master
     weights share storage with the loader's tensors and the FP32 reference's
-    parameters (README "Memory"). The model holds no recipe;
+    parameters (docs/guide/models-and-data.md, "Memory"). The model holds no recipe;
     `engine.api.Engine` pairs it with one and prepares weights.
     """
 

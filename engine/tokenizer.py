@@ -20,6 +20,8 @@ import struct
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from engine.errors import TokenizerMismatchError
+
 __all__ = [
     "Tokenizer",
     "TokenizerMismatchError",
@@ -60,10 +62,6 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str:
         """Return the text of ``ids``."""
         ...
-
-
-class TokenizerMismatchError(ValueError):
-    """A tokenizer cannot be used with a model (vocab or special ids out of range)."""
 
 
 def _wrap_ids(ids: list[int], bos: bool, eos: bool, bos_id: int | None, eos_id: int | None) -> list[int]:

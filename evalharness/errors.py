@@ -22,12 +22,6 @@ class ResultError(HarnessError):
     """A result or baseline file is corrupt or of another schema version."""
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    """Every exception type that means 'bad input' (exit code 2), harness and engine alike."""
-    from engine.llama2c import CheckpointError
-    from engine.tokenizer import TokenizerMismatchError
-
-    return (HarnessError, EngineError, FileNotFoundError, CheckpointError, TokenizerMismatchError)
-
-
-BAD_INPUT = _bad_input_types()
+# Every exception type that means 'bad input' (exit code 2), harness and engine alike (the engine's checkpoint and
+# tokenizer errors are EngineErrors).
+BAD_INPUT: tuple[type[BaseException], ...] = (HarnessError, EngineError, FileNotFoundError)

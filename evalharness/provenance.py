@@ -10,9 +10,11 @@ import platform
 import subprocess
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "transformers", "safetensors", "numpy", "scipy", "triton", "lm_eval", "mlflow", "datasets",
@@ -61,6 +63,8 @@ def _cpu_model() -> str:
 @lru_cache(maxsize=4)
 def hardware_fingerprint(device: str = "cpu") -> dict[str, Any]:
     """What the numbers were measured on: CPU, and GPU name / capability / driver / CUDA / cuBLAS when used."""
+    import torch
+
     fp: dict[str, Any] = {
         "device": device,
         "cpu": _cpu_model(),
@@ -101,6 +105,8 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_tensor(t: torch.Tensor) -> str:
     """Hex sha256 of a tensor's values (contiguous, on CPU) and shape."""
+    import torch
+
     t = t.detach().contiguous().cpu()
     h = hashlib.sha256(str(tuple(t.shape)).encode() + str(t.dtype).encode())
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

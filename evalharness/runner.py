@@ -2,7 +2,7 @@
 then for each recipe x serving config build the engine, run the evals, and write
 the result file atomically as soon as that run finishes.
 
-Memory of one model group (README "Memory"): the loader's fp32 weights (one
+Memory of one model group (docs/guide/models-and-data.md, "Memory"): the loader's fp32 weights (one
 copy, shared by the engine's master weights and, on the same device, by the
 reference), plus one recipe's prepared weights at a time. The suite's
 `reference_device` (auto | cpu | cuda) puts the reference elsewhere than the

@@ -56,7 +56,7 @@ SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk": None, "attn_block": 64, "sm
 ATTN_BLOCKS = (64, 128, 256)
 EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance", "threeway", "switching")
 BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
-REFERENCE_DEVICES = ("auto", "cpu", "cuda")  # auto: the engine's device (README "Memory")
+REFERENCE_DEVICES = ("auto", "cpu", "cuda")  # auto: the engine's device (docs/guide/models-and-data.md, "Memory")
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
 

@@ -29,12 +29,17 @@ def pytest_configure(config):
         if why:
             _INTERPRETER_UNPATCHED.append(why)
         _one_thread()
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        # `-n N`: N workers share the cores; one thread each (and in the CLI runs they start), or the thread pools'
+        # idle workers spin against the other workers (2 cores: the slow step took 1.6x longer with 2 threads each)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        _one_thread()
 
 
 def _one_thread() -> None:
-    """The interpreter runs a kernel's programs one after another in Python, issuing small numpy / torch operations
-    that gain nothing from thread pools, whose idle workers spin: one thread each. (2 cores, other processes busy:
-    a third of the CPU time; with pytest-xdist the workers would compete with each other's spinning threads.)"""
+    """One intra-op thread for torch and numpy's BLAS. The interpreter runs a kernel's programs one after another in
+    Python, issuing small numpy / torch operations that gain nothing from thread pools, whose idle workers spin; under
+    pytest-xdist the workers would compete with each other's spinning threads."""
     torch.set_num_threads(1)
     try:
         from threadpoolctl import threadpool_limits
@@ -43,11 +48,37 @@ def _one_thread() -> None:
     threadpool_limits(1)
 
 
+def _page_run(item) -> Path | None:
+    """The docs page a test runs the command blocks of (tests/test_docs.py), else None."""
+    if item.nodeid.startswith("tests/test_docs.py::test_command_blocks_run_as_written"):
+        return item.callspec.params["page"]
+    return None
+
+
+def _xdist_group(item) -> str | None:
+    """The pytest-xdist group of a test (`-n N --dist loadgroup`), or None to spread it on its own. A test using a
+    module- or class-scoped fixture (a suite run shared by several tests) goes with its module, so that fixture is
+    built once; the docs page runs, independent, each alone, except the pages that serve on a fixed port
+    (`# serves:`), which take turns."""
+    page = _page_run(item)
+    if page is not None:
+        return "docs-serving" if "# serves:" in page.read_text() else None
+    fixtures = item._fixtureinfo.name2fixturedefs.values()
+    shared = any(defs[-1].scope in ("module", "class", "package") for defs in fixtures)
+    return Path(item.nodeid.split("::")[0]).stem if shared else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Without TRITON_INTERPRET=1: `gpu` tests skip without CUDA, tests marked `interpreter` alone skip. With it: the
-    `gpu` tests not marked `interpreter` skip (they need the GPU); the `interpreter` ones run on CPU tensors."""
+    `gpu` tests not marked `interpreter` skip (they need the GPU); the `interpreter` ones run on CPU tensors. Every
+    test gets its pytest-xdist group (`_xdist_group`); the docs page runs, the longest tests, come first."""
     cuda = torch.cuda.is_available()
+    items.sort(key=lambda item: _page_run(item) is None)  # the longest units (page runs) are handed out first
     for item in items:
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
         gpu = item.get_closest_marker("gpu") is not None
         interpreted = item.get_closest_marker("interpreter") is not None
         if INTERPRET:

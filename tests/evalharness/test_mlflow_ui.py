@@ -69,7 +69,8 @@ def server(tmp_path_factory):
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp}/server.db",
          "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no GenAI job runners: not used here
     try:
         deadline = time.time() + SERVER_START_S
         while True:

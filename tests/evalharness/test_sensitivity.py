@@ -105,7 +105,7 @@ def test_bisect_on_zoo_moe_names_the_planted_router():
     units = make_units("site", cand, good, s.model.cfg.num_layers)
     assert {u.name for u in units} == {"site:router", "site:attn.q"}
     k_good, k_cand = sum(s.window_kld(good)) / 8, sum(s.window_kld(cand)) / 8
-    assert k_cand > k_good  # the E4M3 router hurts (by ~8-17%: a subtle bug, see README "Gate selftest")
+    assert k_cand > k_good  # the E4M3 router hurts (by ~8-17%: a subtle bug, docs/guide/gate.md "The gate selftest")
     threshold = (k_good + k_cand) / 2
     res = bisect(s, cand, good, units, threshold=threshold)
     assert res["found"] and res["units"] == ["site:router"], res["units"]

@@ -1,7 +1,7 @@
 """Op-local conformance probe (`Numerics.local`): each op's own error vs float64 on the same inputs.
 
 These are the measurements that let the smoke gate catch a BF16 softmax, a 14-bit accumulator and a
-shared K-cache scale, which end-to-end KLD cannot resolve on small models (README "Gate selftest").
+shared K-cache scale, which end-to-end KLD cannot resolve on small models (docs/guide/gate.md, "The gate selftest").
 """
 
 from __future__ import annotations
