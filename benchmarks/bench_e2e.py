@@ -252,7 +252,8 @@ def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m
     toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
     state = {}
     if runtime:
-        from engine.runtime import PagedRuntime, ServingConfig
+        from engine.runtime import PagedRuntime
+        from engine.serving import ServingConfig
 
         rt = PagedRuntime(eng, ServingConfig(kv_block_size=64, max_batch=batch, max_tokens=prompt + steps + 8,
                                              cuda_graphs=True))

@@ -6,14 +6,17 @@ methods (`logits`, `generate`, and the `tap` argument).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine.generation import Generation, GenerationRequest, cap_requests, contiguous_generate
 from engine.model import KVCache, Transformer
 from engine.numerics import LocalProbe, Numerics, QuantObserver
 from engine.parallel import ParallelConfig, ParallelError  # noqa: F401 (ParallelError: re-exported for the harness)
 from engine.recipe import Recipe, load_recipe, storage_bits
+from engine.serving import ServingConfig
 
 BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
 
@@ -58,6 +61,8 @@ class Engine:
         self.recipe = load_recipe(recipe)
         self.nx = make_numerics(self.recipe, backend, **kernel_options)
         self.default_prefill_chunk: int | None = None  # serving config: chunked prefill for every `logits` call
+        self.serving = ServingConfig()  # how `generate_batch` serves (max_tokens is sized per call)
+        self._runtime = None  # the paged runtime `generate_batch` last used (engine.runtime.PagedRuntime)
         self.kernel_options = dict(kernel_options)
         self.hp_recipe: Recipe | None = None  # precision switching (enable_precision_switch)
         self.hp_nx: Numerics | None = None
@@ -173,6 +178,45 @@ class Engine:
             return torch.cat(parts, dim=1)  # (batch, t, vocab)
         finally:
             nx.tap, nx.observer, nx.local = None, None, None
+
+    def runtime_serves(self) -> bool:
+        """Whether `generate_batch` decodes through the paged serving runtime (GQA / MQA models in one process);
+        otherwise it decodes on the contiguous cache (`engine.generation.contiguous_generate`)."""
+        return self.cfg.mla is None and self.parallel.size == 1
+
+    @torch.no_grad()
+    def generate_batch(self, requests: Sequence[GenerationRequest], serving: ServingConfig | None = None,
+                       step_stats: bool = False, keep_logits: bool = False,
+                       max_batch: int | None = None) -> list[Generation]:
+        """Greedy generations of all `requests`, decoded together as the engine is served (`engine.generation`).
+
+        `serving` (default `self.serving`): batch size (`max_batch`), page size, chunked prefill, CUDA graphs;
+        its `max_tokens` is sized to the requests here, and `max_batch` (when given) replaces its batch size.
+        GQA / MQA models go through the paged runtime
+        (continuous batching, KV pages in the recipe's cache format); the others decode on the contiguous cache,
+        requests of equal prompt length together. `step_stats`: per generated token, the entropy and top-2
+        margin of its distribution; `keep_logits`: the step logits too (small models only).
+        """
+        serving = serving or self.serving
+        if max_batch is not None and max_batch != serving.max_batch:
+            serving = dataclasses.replace(serving, max_batch=max_batch)
+        requests = cap_requests(requests, self.cfg.max_position)
+        if not requests:
+            return []
+        if not self.runtime_serves():
+            return contiguous_generate(self, requests, serving.max_batch, serving.prefill_chunk, step_stats,
+                                       keep_logits)
+        from engine.runtime import PagedRuntime
+
+        need = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        need = -(-need // 256) * 256  # KV pages sized in steps of 256 tokens, so similar calls share a runtime
+        rt = self._runtime
+        if rt is None or dataclasses.replace(rt.config, max_tokens=serving.max_tokens) != serving or \
+                rt.config.max_tokens < need:
+            self._runtime = rt = None  # free the old pages before allocating the new ones
+            rt = PagedRuntime(self, dataclasses.replace(serving, max_tokens=need))
+            self._runtime = rt
+        return rt.serve(requests, step_stats=step_stats, keep_logits=keep_logits)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),

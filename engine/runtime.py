@@ -20,17 +20,16 @@ sweep it and the invariance eval can compare two configurations.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections import deque
 from typing import Optional, Sequence
 
 import torch
 
 from engine.api import Engine
+from engine.generation import Generation, GenerationRequest, Recorder, cap_requests, finished
 from engine.kernels import sm_count
-
-KV_BLOCK_SIZES = (16, 32, 64, 128, 256)
-
+from engine.serving import ServingConfig
 
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
@@ -51,35 +50,6 @@ def _max_tq_from_env() -> Optional[int]:
 
 
 FP8_PAGED_MAX_TQ: Optional[int] = _max_tq_from_env()
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingConfig:
-    """How requests are served (validated at construction).
-
-    kv_block_size: tokens per KV page; max_batch: sequence slots (requests decoded together);
-    max_tokens: longest sequence (prompt + generation); prefill_chunk: prompt tokens per prefill
-    call (None: whole prompt); cuda_graphs: capture and replay the decode step (CUDA only);
-    prefix_cache: a prompt that starts with whole pages another live sequence already holds reuses
-    them (a hit) and prefills only the rest -- with FP8 KV the reused pages carry the scales of the
-    call that wrote them, so a hit can differ from a miss (the invariance eval measures it).
-    """
-
-    kv_block_size: int = 16
-    max_batch: int = 8
-    max_tokens: int = 1024
-    prefill_chunk: Optional[int] = None
-    cuda_graphs: bool = False
-    prefix_cache: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kv_block_size not in KV_BLOCK_SIZES:
-            raise ValueError(f"kv_block_size {self.kv_block_size}: use one of {KV_BLOCK_SIZES}")
-        for key in ("max_batch", "max_tokens"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
-        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
 
 
 class _PagedView:
@@ -290,39 +260,82 @@ class PagedRuntime:
         return torch.stack([self.prefill(i, row.tolist()) for i, row in enumerate(tokens)])
 
     @torch.no_grad()
+    def serve(self, requests: Sequence[GenerationRequest], step_stats: bool = False,
+              keep_logits: bool = False) -> list[Generation]:
+        """Greedy generations of all `requests` with continuous batching: up to `max_batch` requests decode
+        together, one token per step each at its own position; a finished request (its budget used, or a stop
+        id produced) leaves the batch and its slot takes the next waiting request (prefilled, then decoding with
+        the others). Results in request order; per-step statistics as `engine.generation.Recorder` keeps them.
+
+        Nothing leaves the device per step unless a live request has stop ids (its tokens are then read back to
+        check them). With CUDA graphs, each batch size's decode step is captured once and replayed.
+        """
+        requests = cap_requests(requests, self.engine.cfg.max_position)
+        for i, r in enumerate(requests):
+            if len(r.prompt) + r.max_new_tokens > self.config.max_tokens:
+                raise ValueError(f"request {i}: a prompt of {len(r.prompt)} tokens + {r.max_new_tokens} new exceeds "
+                                 f"max_tokens {self.config.max_tokens}")
+        dev = self.device
+        rec = Recorder(len(requests), max((r.max_new_tokens for r in requests), default=1), dev, step_stats,
+                       keep_logits)
+        lengths = [0] * len(requests)
+        waiting = deque(range(len(requests)))
+        free = list(range(self.config.max_batch - 1, -1, -1))  # pop() hands out low slots first
+        live: list[tuple[int, int]] = []  # (request, slot) decoding together, in admission order
+        tokens = torch.zeros(0, dtype=torch.long, device=dev)  # the live requests' latest tokens (b,)
+        while waiting or live:
+            admitted, firsts = [], []
+            while waiting and free:  # prefill newcomers into free slots; their first token comes from the prompt
+                i, slot = waiting.popleft(), free.pop()
+                logits = self.prefill(slot, requests[i].prompt)[-1:]  # (1, vocab)
+                one = torch.tensor([i], dtype=torch.long, device=dev)
+                firsts.append(rec.record(one, torch.zeros_like(one), logits, [i]))
+                lengths[i] = 1
+                admitted.append((i, slot))
+            if admitted:  # a request can end on its first token (a stop id, or a budget of one)
+                new = torch.cat(firsts)
+                keep = self._unfinished(requests, admitted, new, lengths)
+                free.extend(slot for j, (_, slot) in enumerate(admitted) if j not in keep)
+                live += [admitted[j] for j in keep]
+                tokens = torch.cat([tokens, new[keep]])
+            if not live:
+                continue
+            ids = torch.tensor([slot for _, slot in live], dtype=torch.long, device=dev)
+            rows = torch.tensor([i for i, _ in live], dtype=torch.long, device=dev)
+            start = torch.tensor([len(requests[i].prompt) + lengths[i] - 1 for i, _ in live], dtype=torch.long,
+                                 device=dev)
+            pos = torch.tensor([lengths[i] for i, _ in live], dtype=torch.long, device=dev)
+            host_rows = [i for i, _ in live]
+            while True:  # decode steps of this batch composition
+                logits = self._decode(tokens[:, None], ids, start)  # (b, vocab)
+                tokens = rec.record(rows, pos, logits, host_rows)
+                start, pos = start + 1, pos + 1
+                for i in host_rows:
+                    lengths[i] += 1
+                keep = self._unfinished(requests, live, tokens, lengths)
+                if len(keep) < len(live):  # the batch changes: rebuild its tensors (and admit waiting requests)
+                    free.extend(slot for j, (_, slot) in enumerate(live) if j not in keep)
+                    live = [live[j] for j in keep]
+                    tokens = tokens[keep]
+                    break
+        return rec.results(lengths)
+
+    @staticmethod
+    def _unfinished(requests: Sequence[GenerationRequest], batch: list[tuple[int, int]], tokens: torch.Tensor,
+                    lengths: list[int]) -> list[int]:
+        """Positions in `batch` of the requests not finished after their latest token `tokens` (b,), which is read
+        back to the host only when one of them has stop ids."""
+        host = tokens.tolist() if any(requests[i].stop_ids for i, _ in batch) else [None] * len(batch)
+        return [j for j, (i, _) in enumerate(batch) if not finished(requests[i], lengths[i], host[j])]
+
+    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
                  return_logits: bool = False):
-        """Greedy continuations of all `prompts`, decoded together (up to `max_batch` at a time).
+        """Greedy continuations of all `prompts` (`serve` with one budget and stop set for all).
 
         Returns the new tokens per prompt (and, with `return_logits`, each prompt's (new, vocab) step logits).
         """
-        outs: list[list[int]] = []
-        logits_out: list[torch.Tensor] = []
-        mb = self.config.max_batch
-        for g in range(0, len(prompts), mb):
-            group = [list(p) for p in prompts[g:g + mb]]
-            if max(len(p) for p in group) + max_new_tokens > self.config.max_tokens:
-                raise ValueError(f"a prompt of {max(len(p) for p in group)} tokens + {max_new_tokens} new exceeds "
-                                 f"max_tokens {self.config.max_tokens}")
-            b = len(group)
-            first = [self.prefill(i, p)[-1] for i, p in enumerate(group)]
-            steps = [torch.stack(first)]  # (b, vocab)
-            nxt = steps[0].argmax(-1)  # (b,)
-            new = [[int(t)] for t in nxt.tolist()]
-            done = [t in stop_ids or max_new_tokens == 1 for t in (x[0] for x in new)]
-            ids = torch.arange(b, dtype=torch.long, device=self.device)
-            start = torch.tensor([len(p) for p in group], dtype=torch.long, device=self.device)
-            while not all(done):
-                last = self._decode(nxt[:, None].to(self.device), ids, start)  # (b, vocab)
-                steps.append(last.float().clone())
-                start = start + 1
-                nxt = last.argmax(-1)
-                for i, tok in enumerate(nxt.tolist()):
-                    if not done[i]:
-                        new[i].append(int(tok))
-                        done[i] = tok in stop_ids or len(new[i]) >= max_new_tokens
-            outs.extend(new)
-            if return_logits:
-                stacked = torch.stack(steps, 1).cpu()  # (b, steps, vocab)
-                logits_out.extend(stacked[i, :len(new[i])] for i in range(b))
-        return (outs, logits_out) if return_logits else outs
+        gens = self.serve([GenerationRequest(tuple(p), max_new_tokens, tuple(stop_ids)) for p in prompts],
+                          keep_logits=return_logits)
+        outs = [g.tokens for g in gens]
+        return (outs, [g.logits for g in gens]) if return_logits else outs

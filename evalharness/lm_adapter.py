@@ -18,10 +18,12 @@ The three lm-eval request types:
 * ``loglikelihood_rolling``: the whole text, in disjoint chunks of at most
   ``max_length`` predicted tokens; each chunk gets as much preceding context as
   fits (the last chunk a full window), so every token is scored exactly once.
-* ``generate_until``: greedy decoding through ``generate`` with EOS as stop id;
-  the text is cut at the first stop string. Generation also stops early at a
-  token whose own text already contains a stop string (nothing after it can
-  survive the cut), which is exact and saves decode steps.
+* ``generate_until``: greedy decoding of all requests together (the model's
+  ``generate_batch``: the engine's serving runtime, the reference's padded
+  batches) with EOS as stop id; each text is cut at its first stop string.
+  Generation also stops early at a token whose own text already contains a
+  stop string (nothing after it can survive the cut), which is exact and saves
+  decode steps.
 
 Right padding matters for dynamically scaled recipes: padding tokens take part
 in per-tensor activation scales exactly as in a real batched server, which is
@@ -35,6 +37,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from lm_eval.api.model import LM
+
+from engine.generation import GenerationRequest
+from evalharness.generation import generate_many
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +77,9 @@ class HarnessLM(LM):
 
     Args:
         model: object with ``logits(tokens (batch, t) long) -> (batch, t, vocab)`` and
-            ``generate(prompt, max_new_tokens, stop_ids) -> list[int]``.
+            ``generate_batch(requests, max_batch)`` or ``generate(prompt, max_new_tokens, stop_ids) -> list[int]``.
         tokenizer: harness tokenizer (``engine.tokenizer.Tokenizer`` protocol).
-        batch_size: sequences per ``logits`` call.
+        batch_size: sequences per ``logits`` call and requests decoded together.
         max_length: longest model input in tokens; default ``model.max_seq_len`` or ``model.cfg.max_position``.
         max_gen_toks: default generation budget when a request does not set ``max_gen_toks``.
         name: label used in log messages (``engine`` / ``reference``).
@@ -239,23 +244,13 @@ class HarnessLM(LM):
         whole, head = self.tok.decode(anchor + out), self.tok.decode(anchor)
         return whole[len(head):] if whole.startswith(head) else self.tok.decode(out)
 
-    def generate_text(self, context: str, until: Iterable[str], max_gen_toks: int) -> str:
-        """Greedy continuation of ``context``, cut before the first stop string."""
-        until = tuple(s for s in until if s)
-        prompt = self.tok.encode(context, bos=True, eos=False)
-        keep = max(1, self.max_length - max_gen_toks)
-        prompt = prompt[-keep:]
-        out = self.model.generate(prompt, max_gen_toks, stop_ids=self._stop_token_ids(until))
-        self.counters["generate_calls"] += 1
-        self.counters["generated_tokens"] += len(out)
-        text = self._decode_continuation(prompt[-1:], out)
-        cut = min((i for i in (text.find(s) for s in until) if i >= 0), default=len(text))
-        return text[:cut]
-
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """lm-eval: greedy generation per request until a stop string, EOS or ``max_gen_toks``."""
-        done: dict[tuple, str] = {}
-        out = []
+        """lm-eval: greedy generation per request until a stop string, EOS or ``max_gen_toks``.
+
+        The distinct requests are decoded together (`evalharness.generation.generate_many`: the engine's serving
+        runtime, the reference's padded batches), each with its own budget and stop tokens; each text is cut
+        before its first stop string."""
+        keys: list[tuple[str, tuple[str, ...], int]] = []
         warned = False
         for req in requests:
             context, kwargs = req.args[0], dict(req.args[1] or {})
@@ -269,11 +264,24 @@ class HarnessLM(LM):
                 log.warning("%s: do_sample requested; the harness decodes greedily (deterministic comparison)",
                             self.name)
                 warned = True
-            key = (context, tuple(until), max_gen)
-            if key not in done:
-                done[key] = self.generate_text(context, until, max_gen)
-            out.append(done[key])
-            self.cache_hook.add_partial("generate_until", req.args, done[key])
+            keys.append((context, tuple(s for s in until if s), max_gen))
+        unique = list(dict.fromkeys(keys))
+        prompts, gen_reqs = [], []
+        for context, until, max_gen in unique:
+            prompt = self.tok.encode(context, bos=True, eos=False)
+            prompt = prompt[-max(1, self.max_length - max_gen):]
+            prompts.append(prompt)
+            gen_reqs.append(GenerationRequest(tuple(prompt), max_gen, self._stop_token_ids(until)))
+        texts: dict[tuple[str, tuple[str, ...], int], str] = {}
+        for key, prompt, gen in zip(unique, prompts, generate_many(self.model, gen_reqs, self.batch_size)):
+            self.counters["generate_calls"] += 1
+            self.counters["generated_tokens"] += len(gen.tokens)
+            text = self._decode_continuation(prompt[-1:], gen.tokens)
+            cut = min((i for i in (text.find(s) for s in key[1]) if i >= 0), default=len(text))
+            texts[key] = text[:cut]
+        out = [texts[k] for k in keys]
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
     def get_model_info(self) -> dict[str, Any]:

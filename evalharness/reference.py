@@ -16,13 +16,17 @@ bring engine and reference tensors to one device before comparing them.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine.generation import Generation, GenerationRequest, Recorder, cap_requests, finished
 from engine.loading import LoadedModel
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# Attention scores of one prefill chunk of the batched reference generation: at most this many bytes
+# (eager attention materializes (batch, heads, chunk, context) fp32 scores).
+_SCORE_BYTES = 1 << 30
 
 
 def disable_tf32() -> None:
@@ -254,6 +258,78 @@ class ReferenceLM:
             tap("logits", out)
         return out
 
+    def _cache_kwargs(self, cache) -> dict:
+        """The KV-cache argument of the HF forward: `cache=` (transformers >= 5.24), else `past_key_values=`."""
+        import inspect
+
+        if not hasattr(self, "_cache_arg"):
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        return {self._cache_arg: cache, "use_cache": True}
+
+    @torch.no_grad()
+    def generate_batch(self, requests: Sequence[GenerationRequest], max_batch: int = 8, step_stats: bool = False,
+                       keep_logits: bool = False) -> list[Generation]:
+        """Greedy generations of all `requests` with HF's KV cache, `max_batch` at a time.
+
+        Requests are sorted by prompt length and left-padded to the longest of their batch (attention mask and
+        position ids make padding invisible to the real tokens); prompts are prefilled in chunks whose attention
+        scores stay under 1 GiB; a finished request (budget or stop id) leaves the batch and its cache rows.
+        Per-step results stay on the device (`engine.generation.Recorder`) until the end.
+        """
+        from transformers import DynamicCache
+
+        requests = cap_requests(requests, self.cfg.max_position)
+        dev = self.device
+        rec = Recorder(len(requests), max((r.max_new_tokens for r in requests), default=1), dev, step_stats,
+                       keep_logits)
+        lengths = [0] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: (-len(requests[i].prompt), i))
+        heads = self.model.config.num_attention_heads
+        for g in range(0, len(order), max_batch):
+            live = order[g:g + max_batch]
+            plen = max(len(requests[i].prompt) for i in live)
+            total = plen + max(requests[i].max_new_tokens for i in live)
+            ids = torch.zeros((len(live), plen), dtype=torch.long)
+            mask = torch.zeros((len(live), plen), dtype=torch.long)
+            for j, i in enumerate(live):  # left padding
+                p = requests[i].prompt
+                ids[j, plen - len(p):] = torch.tensor(p)
+                mask[j, plen - len(p):] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (b, plen)
+            cache = DynamicCache()
+            chunk = max(1, _SCORE_BYTES // (len(live) * heads * total * 4))
+            for s in range(0, plen, chunk):
+                out = self.model(input_ids=ids[:, s:s + chunk], attention_mask=mask[:, :s + chunk],
+                                 position_ids=positions[:, s:s + chunk], logits_to_keep=1,
+                                 **self._cache_kwargs(cache))
+            last = out.logits[:, -1].float()  # (b, vocab)
+            step = 0
+            while True:
+                rows = torch.tensor(live, dtype=torch.long, device=dev)
+                nxt = rec.record(rows, torch.full_like(rows, step), last, live)
+                step += 1
+                host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
+                keep = []
+                for j, i in enumerate(live):
+                    lengths[i] = step
+                    if not finished(requests[i], step, host[j]):
+                        keep.append(j)
+                if not keep:
+                    break
+                if len(keep) < len(live):  # finished requests leave the batch and the cache
+                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.batch_select_indices(sel)
+                    mask, nxt = mask.index_select(0, sel), nxt.index_select(0, sel)
+                    live = [live[j] for j in keep]
+                pos = mask.sum(-1, keepdim=True)  # (b, 1): the new token's position
+                mask = torch.cat([mask, torch.ones_like(pos)], dim=1)
+                out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                                 **self._cache_kwargs(cache))
+                last = out.logits[:, -1].float()
+        return rec.results(lengths)
+
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
                  return_logits: bool = False):
@@ -266,9 +342,8 @@ class ReferenceLM:
         steps = []
         limit = min(len(prompt) + max_new_tokens, self.cfg.max_position)
         while len(prompt) + len(out) < limit:
-            res = self.model(input_ids=x, past_key_values=cache, use_cache=True)
+            res = self.model(input_ids=x, **self._cache_kwargs(cache))
             logits = res.logits[:, -1].float()
-            cache = res.past_key_values
             if return_logits:
                 steps.append(logits[0].cpu())
             nxt = int(logits.argmax(-1))

@@ -23,6 +23,7 @@ import torch
 from engine.api import Engine, ParallelConfig
 from engine.loading import LoadedModel, load_model
 from engine.model import Transformer
+from engine.serving import ServingConfig
 from evalharness import distributed, provenance
 from evalharness.data import builtin_path
 from evalharness.errors import BAD_INPUT
@@ -332,6 +333,14 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
     return outcomes
 
 
+def serving_config(serving: dict[str, Any], cuda: bool) -> ServingConfig:
+    """How the engine serves the run's generation requests: the serving entry's batch size, chunked prefill, page
+    size and CUDA graphs (on CUDA only; `max_tokens` is sized per call)."""
+    return ServingConfig(kv_block_size=serving.get("kv_block_size", 64), max_batch=serving["batch_size"],
+                         prefill_chunk=serving.get("prefill_chunk"),
+                         cuda_graphs=cuda and serving.get("cuda_graphs", True))
+
+
 def _engine_factory(base_model: Transformer, spec: RunSpec, group) -> Callable[[int, int], Engine]:
     """`engine_for(tp, ep)`: the RunSpec's engine at that parallel degree (built once each), on `group`."""
     engines: dict[tuple[int, int], Engine] = {}
@@ -339,8 +348,10 @@ def _engine_factory(base_model: Transformer, spec: RunSpec, group) -> Callable[[
 
     def engine_for(tp: int, ep: int) -> Engine:
         if (tp, ep) not in engines:
-            engines[(tp, ep)] = Engine(base_model, spec.recipe, backend=spec.backend,
-                                       parallel=ParallelConfig(tp=tp, ep=ep), group=group, **options)
+            eng = Engine(base_model, spec.recipe, backend=spec.backend, parallel=ParallelConfig(tp=tp, ep=ep),
+                         group=group, **options)
+            eng.serving = serving_config(spec.serving, eng.device.type == "cuda")
+            engines[(tp, ep)] = eng
         return engines[(tp, ep)]
 
     return engine_for

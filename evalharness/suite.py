@@ -16,7 +16,8 @@ Example (see `suites/smoke.yaml`)::
         corpus: ${data_dir}/text/wikitext2/wiki.test.raw
     recipes: [fp32, bf16, fp8-tensor, fp8-block]   # names or recipe YAML paths
     serving:                         # batch_size, prefill_chunk (null = whole window),
-      - {name: default, batch_size: 4}   # attn_block (64|128|256) and small_m (native kernels)
+      - {name: default, batch_size: 4}   # attn_block (64|128|256) and small_m (native kernels),
+                                         # kv_block_size (64), cuda_graphs (true) of generation
       - {name: tp2, batch_size: 4, tp: 2, ep: 2}   # tensor / expert parallel degree (default 1; torchrun)
     evals:
       layer_error: {windows: 2, seq_len: 128}
@@ -44,15 +45,18 @@ import yaml
 
 from engine.errors import RecipeError
 from engine.recipe import Recipe, load_recipe
+from engine.serving import KV_BLOCK_SIZES
 from evalharness.errors import DataError, SuiteError
 from evalharness.results import run_key
 
 SUITE_KEYS = ("name", "description", "backend", "reference_device", "seed", "data_dir", "corpus", "models",
               "recipes", "serving", "evals", "gate")
 MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
-SERVING_KEYS = ("name", "batch_size", "prefill_chunk", "attn_block", "small_m", "tp", "ep")
-# Serving knobs and their checks: (default, allowed values or None for "positive int or null").
-SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk": None, "attn_block": 64, "small_m": 64, "tp": 1, "ep": 1}
+SERVING_KEYS = ("name", "batch_size", "prefill_chunk", "attn_block", "small_m", "tp", "ep", "kv_block_size",
+                "cuda_graphs")
+# Integer serving knobs and their defaults (each a positive int, or null where the default is null).
+SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk": None, "attn_block": 64, "small_m": 64, "tp": 1, "ep": 1,
+                                    "kv_block_size": 64}
 ATTN_BLOCKS = (64, 128, 256)
 EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance", "threeway", "switching")
 BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
@@ -280,8 +284,15 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
                 raise SuiteError(f"{path}: serving[{i}].{k} must be a positive integer or null, got {v!r}")
             if k == "attn_block" and v not in ATTN_BLOCKS:
                 raise SuiteError(f"{path}: serving[{i}].attn_block must be one of {ATTN_BLOCKS}, got {v!r}")
+            if k == "kv_block_size" and v not in KV_BLOCK_SIZES:
+                raise SuiteError(f"{path}: serving[{i}].kv_block_size must be one of {KV_BLOCK_SIZES}, got {v!r}")
             if v != default:  # only non-default knobs are recorded, so existing run keys/specs stay stable
                 entry_s[k] = v
+        graphs = s.get("cuda_graphs", True)
+        if not isinstance(graphs, bool):
+            raise SuiteError(f"{path}: serving[{i}].cuda_graphs must be true or false, got {graphs!r}")
+        if not graphs:
+            entry_s["cuda_graphs"] = False
         if entry_s.get("tp", 1) is None or entry_s.get("ep", 1) is None:
             raise SuiteError(f"{path}: serving[{i}]: tp / ep (tensor / expert parallel degree) must be positive "
                              "integers; leave them out for 1")

@@ -36,7 +36,7 @@ EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
                 "prompts_per_len": (int, 2), "entropy_window": (int, 64), "loop_min_len": (int, 16),
                 "tie_margin": ((int, float), 0.5), "passkey_lens": (list, None),
                 "passkey_depths": (list, [0.0, 0.25, 0.5, 0.75, 1.0]), "passkey_trials": (int, 4),
-                "kld_docs": (int, 4), "kld_seq_len": (int, None), "kld_buckets": (int, 8),
+                "kld_docs": (int, 4), "kld_seq_len": (int, None), "kld_buckets": (int, 8), "ref_topk": (int, None),
                 "max_tokens": (int, 200_000), "bos": (bool, True)},
     "threeway": {"windows": (int, 4), "seq_len": (int, 128), "emulated": (str, "cuda-emulated"),
                  "native": (str, "cuda-native"), "kernel_factor": ((int, float), 2.0),

@@ -12,10 +12,10 @@ Sequences are any lists of hashable items: token ids, words or characters.
   period 3 from onset 0; "xyzabcabcabc" period 3 from onset 3.
 * ``compression_ratio(data)`` = raw bytes / zlib-compressed bytes (level 9):
   about 2-3 for English text, much larger for loops.
-* ``entropies(logits)``: predictive entropy (nats) of each step's softmax;
-  ``entropy_collapse`` compares the mean over the first and last windows.
-* ``first_divergence(a, b)`` and ``top2_margin(logits)`` locate where two
-  greedy decodes part and how close the decision was there.
+* ``entropy_collapse`` compares the mean predictive entropy (nats; per step from
+  `engine.generation.step_statistics`, with the top-1/top-2 margin) over the
+  first and last windows.
+* ``first_divergence(a, b)`` locates where two greedy decodes part.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import zlib
 from typing import Hashable, Sequence
 
 import numpy as np
-import torch
 
 
 def ngrams(seq: Sequence[Hashable], n: int) -> list[tuple]:
@@ -81,12 +80,6 @@ def compression_ratio(data: bytes | str) -> float:
     return len(raw) / len(zlib.compress(raw, 9))
 
 
-def entropies(logits: torch.Tensor) -> torch.Tensor:
-    """Predictive entropy in nats of every row of (steps, vocab) logits, as float64 (steps,)."""
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    return -(lp.exp() * lp).sum(-1)
-
-
 def entropy_collapse(ent: Sequence[float], window: int) -> tuple[float, float, float]:
     """(mean entropy of the first `window` steps, of the last `window` steps, last / first).
 
@@ -107,9 +100,3 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None
-
-
-def top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    """Top-1 minus top-2 logit of every row of (steps, vocab) logits (equal to the log-prob margin), (steps,)."""
-    top = torch.topk(logits.double(), k=2, dim=-1).values
-    return top[..., 0] - top[..., 1]

@@ -47,7 +47,8 @@ class _Served:
     """A variant served by the paged runtime: `logits` = paged prefill per row, greedy = batched KV decode."""
 
     def __init__(self, engine: Any, v: dict[str, Any], max_tokens: int):
-        from engine.runtime import PagedRuntime, ServingConfig
+        from engine.runtime import PagedRuntime
+        from engine.serving import ServingConfig
 
         self.prefix = bool(v.get("prefix_cache"))
         self.rt = PagedRuntime(engine, ServingConfig(kv_block_size=v.get("kv_block_size") or 16,

@@ -20,7 +20,9 @@ Four parts (setting ``parts``; all by default):
   full-context corpus windows, averaged in ``kld_buckets`` equal position
   buckets, with the growth (last bucket / first) and the slope per 1k
   positions: FP8 accumulation errors that grow with context (e.g. a recipe's
-  ``accumulate: tc14``) show up here before they show up in accuracy.
+  ``accumulate: tc14``) show up here before they show up in accuracy. Above
+  512 MB of reference logits (or with ``ref_topk: K``) the reference enters as
+  top-k records (`evalharness.evals.tokenstats`), as in ``ppl_kld``.
 
 Metrics ``longctx.<name>``: ``<measure>_eng`` / ``<measure>_ref`` pairs,
 ``div_*``, ``passkey_*``, ``passkey.L<L>.d<pct>.acc_{eng,ref}``, ``kld_*``.
@@ -43,11 +45,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.generation import GenerationRequest
 from evalharness import stats
 from evalharness.errors import DataError
 from evalharness.evals import EvalContext
-from evalharness.evals.degeneration import (compression_ratio, detect_loop, distinct_n, entropies,
-                                            entropy_collapse, first_divergence, rep_n, top2_margin)
+from evalharness.evals.degeneration import (compression_ratio, detect_loop, distinct_n, entropy_collapse,
+                                            first_divergence, rep_n)
+from evalharness.evals.ppl_kld import DEFAULT_TOPK, reference_for
+from evalharness.evals.tokenstats import compare, select
+from evalharness.generation import generate_many
 
 PARTS = ("degeneration", "passkey", "kld")
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -78,11 +84,12 @@ def _mean(xs) -> float:
 
 # --------------------------------------------------------------------------- generations
 
-def _generate(model: Any, prompt: list[int], new_tokens: int) -> dict[str, list]:
-    """Greedy continuation (EOS ignored) with per-step entropy and top-1/top-2 margin."""
-    tokens, logits = model.generate(prompt, new_tokens, stop_ids=(), return_logits=True)
-    return {"tokens": [int(t) for t in tokens], "entropy": entropies(logits).tolist(),
-            "margin": top2_margin(logits).tolist()}
+def _generate(ctx: EvalContext, model: Any, prompts: list[list[int]], new_tokens: int) -> list[dict[str, list]]:
+    """Greedy continuations of all prompts (EOS ignored), decoded together, with per-step entropy and top-1/top-2
+    margin."""
+    reqs = [GenerationRequest(tuple(p), new_tokens) for p in prompts]
+    return [{"tokens": g.tokens, "entropy": g.entropy, "margin": g.margin}
+            for g in generate_many(model, reqs, ctx.batch_size, step_stats=True)]
 
 
 def _as_text(ctx: EvalContext, tokens: list[int]) -> bytes:
@@ -133,8 +140,8 @@ def run_degeneration(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, f
             prompts.append(p)
             plen.append(length)
     key = ("longctx_gen", _digest(prompts), new)
-    ref = ctx.reference_cached(key, lambda: [_generate(ctx.reference, p, new) for p in prompts])
-    eng = [_generate(ctx.engine, p, new) for p in prompts]
+    ref = ctx.reference_cached(key, lambda: _generate(ctx, ctx.reference, prompts, new))
+    eng = _generate(ctx, ctx.engine, prompts, new)
     ctx.data_hashes[f"longctx:prompts|lens{lens}|n{len(prompts)}"] = key[1]
 
     per: dict[str, dict[str, list]] = {"eng": {}, "ref": {}}
@@ -241,9 +248,10 @@ def run_passkey(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
                 keys.append(key)
                 cells.append((length, d))
     digest = _digest(prompts)
+    reqs = [GenerationRequest(tuple(p), PASSKEY_NEW_TOKENS) for p in prompts]
     ref_out = ctx.reference_cached(("longctx_passkey", digest), lambda: [
-        ctx.reference.generate(p, PASSKEY_NEW_TOKENS, stop_ids=()) for p in prompts])
-    eng_out = [ctx.engine.generate(p, PASSKEY_NEW_TOKENS, stop_ids=()) for p in prompts]
+        g.tokens for g in generate_many(ctx.reference, reqs, ctx.batch_size)])
+    eng_out = [g.tokens for g in generate_many(ctx.engine, reqs, ctx.batch_size)]
     ctx.data_hashes[f"longctx:passkey|lens{lens}|n{len(prompts)}"] = digest
     ans_ref = [_answer(ctx.tokenizer, o) for o in ref_out]
     ans_eng = [_answer(ctx.tokenizer, o) for o in eng_out]
@@ -275,28 +283,22 @@ def run_passkey(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
 
 # --------------------------------------------------------------------------- KLD by position
 
-def _ref_logits(ctx: EvalContext, inputs: torch.Tensor) -> torch.Tensor:
-    """Reference logits (batch, t, vocab) as float32 on CPU (lossless: the reference computes in fp32)."""
-    return ctx.reference.logits(inputs).float().cpu()
-
-
 def run_kld_by_position(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
-    """Part (d): mean KL(reference || engine) per position bucket over full-context corpus windows."""
+    """Part (d): mean KL(reference || engine) per position bucket over full-context corpus windows (reduced on the
+    engine's device, `evalharness.evals.tokenstats`; the reference's full logits or, for large vocabularies, its
+    top-k records, once per model)."""
     seq = min(cfg.get("kld_seq_len") or _max_context(ctx), _max_context(ctx))
     win = ctx.windows(seq, None, cfg["kld_docs"], cfg["max_tokens"], cfg["bos"])
-    cacheable = win.n * seq * ctx.vocab_size * 4 <= _KLD_CACHE_LIMIT_BYTES
-    ref_all = None
-    if cacheable:
-        ref_all = ctx.reference_cached(("longctx_kld_ref", win.sha256), lambda: torch.cat(
-            [_ref_logits(ctx, x) for _, x, _ in win.batches(ctx.batch_size)]))
+    topk = cfg.get("ref_topk")
+    if topk is None and win.n * seq * ctx.vocab_size * 4 > _KLD_CACHE_LIMIT_BYTES:
+        topk = DEFAULT_TOPK
+    ref_all = reference_for(ctx, win, topk, "longctx_kld_ref")
     rows = []
-    for start, inputs, _ in win.batches(ctx.batch_size):
-        zr = ref_all[start:start + inputs.shape[0]] if ref_all is not None else _ref_logits(ctx, inputs)
-        lr = torch.log_softmax(zr.double(), dim=-1)  # (batch, t, vocab)
-        le = torch.log_softmax(ctx.engine.logits(inputs).double().cpu(), dim=-1)  # (batch, t, vocab)
-        kl = (lr.exp() * (lr - le)).sum(-1).clamp_min(0.0)  # (batch, t)
+    for start, inputs, targets in win.batches(ctx.batch_size):
+        kl = compare(select(ref_all, start, inputs.shape[0]), ctx.engine.logits(inputs), targets)["kld"]
+        kl = kl.clamp_min(0.0)  # (batch, t)
         rows.append(torch.where(torch.isfinite(kl), kl, torch.full_like(kl, float("inf"))))
-    kld = torch.cat(rows)  # (docs, seq)
+    kld = torch.cat(rows).cpu()  # (docs, seq)
     nb = min(cfg["kld_buckets"], seq)
     edges = np.linspace(0, seq, nb + 1).round().astype(int).tolist()
     per_doc = torch.stack([kld[:, a:b].mean(-1) for a, b in zip(edges[:-1], edges[1:])], dim=1)  # (docs, buckets)

@@ -29,27 +29,16 @@ import torch
 
 from evalharness import stats
 from evalharness.evals import EvalContext
+from evalharness.evals.tokenstats import compare, reference_summary, select
 
 _CACHE_LIMIT_BYTES = 512 * 2**20
 POSITION_BUCKETS = 4  # metrics ppl_kld.pos{lo}_{hi}.* over equal slices of the window
-DEFAULT_TOPK = 64  # top-k reference cache size when the full log-probs would not fit in memory
-
-
-def _ref_logprobs(ctx: EvalContext, inputs: torch.Tensor) -> torch.Tensor:
-    """Reference log-softmax (batch, t, vocab) in float64 on CPU."""
-    return torch.log_softmax(ctx.reference.logits(inputs).double().cpu(), dim=-1)
-
-
-def _topk_record(lr: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Top-k summary of reference log-probs lr (batch, t, vocab): ids, log-probs, log tail mass, target log-prob."""
-    vals, idx = lr.topk(k, dim=-1)  # (batch, t, k)
-    tail = (1.0 - vals.exp().sum(-1)).clamp_min(1e-300)  # (batch, t)
-    tgt = lr.gather(-1, targets.clamp_min(0)[..., None])[..., 0]  # (batch, t)
-    return {"idx": idx, "lp": vals, "log_tail": tail.log(), "tgt": tgt}
+DEFAULT_TOPK = 64  # top-k reference cache size when the full logits would not fit in memory
 
 
 def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
-    """Top-k reference records for all windows: from the on-disk cache when present, else computed once and saved."""
+    """Top-k reference records for all windows (CPU): from the on-disk cache when present, else computed once (on
+    the reference's device) and saved."""
     from safetensors.torch import load_file, save_file
 
     key_src = f"{ctx.model_sha}|{win.sha256}|topk{k}|{getattr(ctx.reference, 'precision', 'fp32')}"
@@ -64,7 +53,8 @@ def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
             except Exception:  # a corrupt cache file is recomputed, never trusted
                 path.unlink(missing_ok=True)
         ctx.counters["reference_passes_topk"] = ctx.counters.get("reference_passes_topk", 0) + 1
-        parts = [_topk_record(_ref_logprobs(ctx, x), y, k) for _, x, y in win.batches(ctx.batch_size)]
+        parts = [{n: t.cpu() for n, t in reference_summary(ctx.reference.logits(x), y, k).items()}
+                 for _, x, y in win.batches(ctx.batch_size)]
         rec = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,66 +66,45 @@ def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
     return ctx.reference_cached(("ppl_kld_ref_topk", win.sha256, k), compute)
 
 
-def _token_stats(ref, le: torch.Tensor, targets: torch.Tensor):
-    """Per-token (ref target log-prob, engine target log-prob, KLD, top-1 agreement) for full or top-k references."""
-    tgt = targets.clamp_min(0)
-    le_t = le.gather(-1, tgt[..., None])[..., 0]
-    if isinstance(ref, torch.Tensor):  # full reference log-probs (batch, t, vocab)
-        lr_t = ref.gather(-1, tgt[..., None])[..., 0]
-        k = (ref.exp() * (ref - le)).sum(-1)  # (batch, t) KL(ref || eng)
-        agree = ref.argmax(-1) == le.argmax(-1)
-        return lr_t, le_t, k, agree
-    idx, lp = ref["idx"], ref["lp"]  # (batch, t, k)
-    le_k = le.gather(-1, idx)  # engine log-probs at the reference's top-k ids
-    q_tail = (1.0 - le_k.exp().sum(-1)).clamp_min(1e-300)
-    k = (lp.exp() * (lp - le_k)).sum(-1) + ref["log_tail"].exp() * (ref["log_tail"] - q_tail.log())
-    agree = idx[..., 0] == le.argmax(-1)
-    return ref["tgt"], le_t, k, agree
+def reference_for(ctx: EvalContext, win, topk: int | None, cache_name: str) -> dict[str, torch.Tensor]:
+    """The reference side for all windows of `win`: top-k records (`topk`), or the full fp32 logits kept on the
+    reference's device for the invocation (shared by every recipe through the eval context's cache)."""
+    if topk:
+        return _ref_topk_cached(ctx, win, min(topk, ctx.vocab_size))
+    return ctx.reference_cached((cache_name, win.sha256), lambda: {"logits": torch.cat(
+        [ctx.reference.logits(x).float() for _, x, _ in win.batches(ctx.batch_size)])})
 
 
 def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
     """PPL of reference and engine (with CIs), PPL ratio (paired CI), KLD mean/p99/p99.9/max, top-1, delta-p."""
     win = ctx.windows(cfg["seq_len"], cfg["stride"], cfg["max_windows"], cfg["max_tokens"], cfg["bos"])
     topk = cfg.get("ref_topk")
-    if topk is None and win.n * win.inputs.shape[1] * ctx.vocab_size * 8 > _CACHE_LIMIT_BYTES:
+    if topk is None and win.n * win.inputs.shape[1] * ctx.vocab_size * 4 > _CACHE_LIMIT_BYTES:
         topk = DEFAULT_TOPK
-    ref_all = ref_topk = None
-    if topk:
-        ref_topk = _ref_topk_cached(ctx, win, min(topk, ctx.vocab_size))
-    else:
-        ref_all = ctx.reference_cached(("ppl_kld_ref", win.sha256),
-                                       lambda: torch.cat([_ref_logprobs(ctx, x) for _, x, _ in win.batches(ctx.batch_size)]))
-    nll_r, nll_e, kld, agree, dp, cluster, position, tails = [], [], [], [], [], [], [], []
-    nonfinite = 0
-    total = 0
+    ref_all = reference_for(ctx, win, topk, "ppl_kld_ref")
+    parts = []  # per batch: the per-token comparison, on the engine's device until the end
     for start, inputs, targets in win.batches(ctx.batch_size):
-        b = inputs.shape[0]
-        ref = ref_all[start:start + b] if ref_all is not None else {n: t[start:start + b] for n, t in ref_topk.items()}
-        le = torch.log_softmax(ctx.engine.logits(inputs).double().cpu(), dim=-1)  # (batch, t, vocab)
-        mask = targets >= 0  # (batch, t) scored positions
-        finite = torch.isfinite(le).all(-1)  # (batch, t)
-        total += int(mask.sum())
-        nonfinite += int((mask & ~finite).sum())
-        keep = mask & finite
-        win_ids = (torch.arange(inputs.shape[0]) + start)[:, None].expand_as(mask)
-        pos_ids = torch.arange(inputs.shape[1])[None, :].expand_as(mask)
-        lr_t, le_t, k, agree_b = _token_stats(ref, le, targets)
-        if ref_topk is not None:
-            tails.append(ref["log_tail"].exp()[keep])
-        nll_r.append(-lr_t[keep])
-        nll_e.append(-le_t[keep])
-        kld.append(k[keep].clamp_min(0.0))
-        agree.append(agree_b[keep].double())
-        dp.append((le_t.exp() - lr_t.exp())[keep])
-        cluster.append(win_ids[keep])
-        position.append(pos_ids[keep])
+        tok = compare(select(ref_all, start, inputs.shape[0]), ctx.engine.logits(inputs), targets)
+        parts.append(tok)
+    tok = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # (windows, t) each
+    targets = win.targets
+    mask = targets >= 0  # (windows, t) scored positions
+    keep = mask & tok["finite"]
+    total = int(mask.sum())
+    nonfinite = int((mask & ~tok["finite"]).sum())
+    win_ids = torch.arange(targets.shape[0])[:, None].expand_as(mask)
+    pos_ids = torch.arange(targets.shape[1])[None, :].expand_as(mask)
+    lr_t, le_t = tok["lr_t"], tok["le_t"]
+    nll_r_t, nll_e_t = -lr_t[keep], -le_t[keep]
+    kld_t = tok["kld"][keep].clamp_min(0.0)
+    agree_t = tok["agree"][keep].double()
+    dp_t = (le_t.exp() - lr_t.exp())[keep]
+    cl, pos = win_ids[keep], pos_ids[keep]
 
     metrics: dict[str, float] = {"n_tokens": float(total), "n_windows": float(win.n),
                                  "nonfinite_frac": nonfinite / max(total, 1), "ref_topk": float(topk or 0)}
-    if tails:
-        metrics["ref_tail_mass_mean"] = float(torch.cat(tails).mean())
-    nll_r_t, nll_e_t, kld_t = torch.cat(nll_r), torch.cat(nll_e), torch.cat(kld)
-    agree_t, dp_t, cl, pos = torch.cat(agree), torch.cat(dp), torch.cat(cluster), torch.cat(position)
+    if "tail" in tok:
+        metrics["ref_tail_mass_mean"] = float(tok["tail"][keep].mean())
     samples: dict[str, list] = {}
     if kld_t.numel() == 0:
         for name in ("ppl_ref", "ppl_eng", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "top1_agree"):

@@ -8,7 +8,8 @@ import torch
 from engine.api import Engine
 from engine.loading import load_model
 from engine.model import Transformer
-from engine.runtime import PagedRuntime, ServingConfig
+from engine.runtime import PagedRuntime
+from engine.serving import ServingConfig
 from evalharness.data import builtin_path
 
 pytestmark = pytest.mark.numerics

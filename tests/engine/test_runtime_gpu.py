@@ -32,7 +32,8 @@ def zoo():
 def test_cuda_graph_decode_is_bitwise_eager(zoo, recipe):
     """Replaying the captured decode step gives exactly the eager step's logits."""
     from engine.api import Engine
-    from engine.runtime import PagedRuntime, ServingConfig
+    from engine.runtime import PagedRuntime
+    from engine.serving import ServingConfig
 
     eng = Engine(zoo, recipe, backend="cuda-native")
     eager = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64))
@@ -65,7 +66,8 @@ def test_native_runtime_matches_emulated_generate(zoo, recipe):
     bf16: identical greedy tokens on at least 3 of 4 prompts.
     """
     from engine.api import Engine
-    from engine.runtime import PagedRuntime, ServingConfig
+    from engine.runtime import PagedRuntime
+    from engine.serving import ServingConfig
 
     native = PagedRuntime(Engine(zoo, recipe, backend="cuda-native"),
                           ServingConfig(kv_block_size=32, max_batch=4, max_tokens=64, cuda_graphs=True))
@@ -92,7 +94,8 @@ def test_long_fp8_prompts_on_native_paged_kernels(zoo, monkeypatch, block, chunk
     import engine.kernels.paged_kv as PK
     import engine.runtime as R
     from engine.api import Engine
-    from engine.runtime import PagedRuntime, ServingConfig
+    from engine.runtime import PagedRuntime
+    from engine.serving import ServingConfig
 
     g = torch.Generator().manual_seed(0)
     prompts = [[1] + torch.randint(3, 250, (n - 1,), generator=g).tolist() for n in (70, 33, 64, 100)]

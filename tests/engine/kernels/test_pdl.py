@@ -96,7 +96,8 @@ def test_pdl_graph_decode_equals_plain_launches(pdl_restored, batch):
     from engine.api import Engine
     from engine.loading import load_model
     from engine.model import Transformer
-    from engine.runtime import PagedRuntime, ServingConfig
+    from engine.runtime import PagedRuntime
+    from engine.serving import ServingConfig
 
     loaded = load_model(str(REPO / "zoo" / "zoo-llama"))
     eng = Engine(Transformer(loaded.cfg, loaded.weights).to("cuda"), "fp8-block", backend="cuda-native")

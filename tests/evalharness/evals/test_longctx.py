@@ -16,8 +16,9 @@ from engine.model import Transformer
 from engine.tokenizer import ByteTokenizer, load_tokenizer
 from evalharness.errors import DataError
 from evalharness.evals import EvalContext, run_eval
-from evalharness.evals.degeneration import (compression_ratio, detect_loop, distinct_n, entropies,
-                                            entropy_collapse, first_divergence, rep_n, top2_margin)
+from engine.generation import step_statistics
+from evalharness.evals.degeneration import (compression_ratio, detect_loop, distinct_n, entropy_collapse,
+                                            first_divergence, rep_n)
 from evalharness.evals.longctx import (PASSKEY_NEEDLE, PASSKEY_QUESTION, passkey_prompt, run_degeneration,
                                        run_kld_by_position, run_passkey)
 from evalharness.reference import ReferenceLM
@@ -58,11 +59,11 @@ def test_compression_entropy_divergence_margin():
     """zlib ratio is large for loops and ~1 for random bytes; entropy of uniform logits is log V;
     collapse compares windows; first divergence and the top-1/top-2 margin."""
     assert compression_ratio("abc" * 300) > 20 > 1.5 > compression_ratio(bytes(range(256)))
-    ent = entropies(torch.zeros(3, 50))
+    ent, _ = step_statistics(torch.zeros(3, 50))
     assert torch.allclose(ent, torch.full((3,), math.log(50), dtype=torch.float64))
     assert entropy_collapse([2.0, 2.0, 1.0, 0.5], window=2) == (2.0, 0.75, 0.375)
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 3]) is None
-    assert top2_margin(torch.tensor([[0.0, 3.0, 1.0, 2.5]])).item() == pytest.approx(0.5)
+    assert step_statistics(torch.tensor([[0.0, 3.0, 1.0, 2.5]]))[1].item() == pytest.approx(0.5)
 
 
 # --------------------------------------------------------------------------- scripted models

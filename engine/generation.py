@@ -1,0 +1,177 @@
+"""Batched greedy generation: request and result records, per-step statistics, and the decode loop on a contiguous
+KV cache for the models the paged runtime does not serve.
+
+Every evaluation that generates submits all its requests at once (`Engine.generate_batch`, and the FP32
+reference's `generate_batch` in the harness): GQA / MQA models decode through the paged serving runtime
+(`engine.runtime.PagedRuntime.serve`: continuous batching over KV pages in the recipe's cache format, CUDA graphs
+on the GPU); MLA models and tensor / expert-parallel engines decode here, on the contiguous cache of
+`Engine.generate`, requests of equal prompt length together (no padding, so batch-invariant recipes give the bits
+of one request at a time).
+
+Nothing per step leaves the device: the next tokens, and with ``step_stats`` each step's predictive entropy and
+top-1/top-2 logit margin, are written into device buffers by index (`Recorder`) and read back once per batch.
+The only per-step host sync is the stop check of requests that have stop ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from engine.attention import KVCache
+
+if TYPE_CHECKING:
+    from engine.api import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One greedy request: `max_new_tokens` after `prompt`, ending early at the first token in `stop_ids`
+    (that token is kept)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if not self.prompt:
+            raise ValueError("a generation request needs at least one prompt token")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+
+
+@dataclasses.dataclass
+class Generation:
+    """The new tokens of one request, and per generated token (with ``step_stats``) the entropy in nats of the
+    distribution it was chosen from and that distribution's top-1 minus top-2 logit; with ``keep_logits`` the
+    step logits (new, vocab) fp32 on the CPU (tests and small models only)."""
+
+    tokens: list[int]
+    entropy: list[float] | None = None
+    margin: list[float] | None = None
+    logits: torch.Tensor | None = None
+
+
+def step_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy in nats, top-1 minus top-2 logit) of every row of (rows, vocab) logits, float64, on their device
+    (the top-2 logit margin equals the log-probability margin)."""
+    x = logits.double()
+    lp = torch.log_softmax(x, dim=-1)  # (rows, vocab)
+    top = torch.topk(x, k=2, dim=-1).values  # (rows, 2)
+    return -(lp.exp() * lp).sum(-1), top[:, 0] - top[:, 1]
+
+
+class Recorder:
+    """Device buffers holding the outputs of `n` requests of at most `max_new` tokens each.
+
+    `record(rows, pos, logits)` takes the step logits (b, vocab) of requests `rows` (b,) at output positions
+    `pos` (b,) (both device tensors), writes the greedy tokens (and statistics) there and returns those tokens;
+    `results(lengths)` reads everything back at once.
+    """
+
+    def __init__(self, n: int, max_new: int, device: torch.device, step_stats: bool = False,
+                 keep_logits: bool = False):
+        self.tokens = torch.zeros((n, max_new), dtype=torch.long, device=device)
+        self.stats = torch.zeros((2, n, max_new), dtype=torch.float64, device=device) if step_stats else None
+        self.logits: list[list[torch.Tensor]] | None = [[] for _ in range(n)] if keep_logits else None
+
+    def record(self, rows: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor,
+               host_rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Greedy tokens (b,) of the step logits (b, vocab); stored at (rows, pos). `host_rows` (the same rows as
+        host ints) is needed only with ``keep_logits``."""
+        nxt = logits.argmax(-1)  # (b,)
+        self.tokens[rows, pos] = nxt
+        if self.stats is not None:
+            ent, margin = step_statistics(logits)
+            self.stats[0, rows, pos] = ent
+            self.stats[1, rows, pos] = margin
+        if self.logits is not None:
+            rows_cpu = logits.float().cpu()
+            for j, r in enumerate(host_rows):
+                self.logits[r].append(rows_cpu[j])
+        return nxt
+
+    def results(self, lengths: Sequence[int]) -> list[Generation]:
+        """The generations (request i: its first lengths[i] tokens), read back in one transfer each buffer."""
+        toks = self.tokens.cpu().tolist()
+        stats = self.stats.cpu().tolist() if self.stats is not None else None
+        out = []
+        for i, n in enumerate(lengths):
+            g = Generation(toks[i][:n])
+            if stats is not None:
+                g.entropy, g.margin = stats[0][i][:n], stats[1][i][:n]
+            if self.logits is not None:
+                g.logits = torch.stack(self.logits[i])
+            out.append(g)
+        return out
+
+
+def cap_requests(requests: Sequence[GenerationRequest], max_position: int) -> list[GenerationRequest]:
+    """Requests with their generation budget cut so that prompt + new tokens fit the model's context (as
+    `Engine.generate` does); a prompt that leaves no room is an error naming its length."""
+    out = []
+    for i, r in enumerate(requests):
+        room = max_position - len(r.prompt)
+        if room < 1:
+            raise ValueError(f"generation request {i}: its prompt of {len(r.prompt)} tokens leaves no room in the "
+                             f"model's context of {max_position}; shorten the prompt")
+        out.append(r if r.max_new_tokens <= room else dataclasses.replace(r, max_new_tokens=room))
+    return out
+
+
+def finished(req: GenerationRequest, produced: int, token: int | None) -> bool:
+    """Whether a request is done after `produced` tokens, the last being `token` (None: not read back, which
+    happens only for requests without stop ids)."""
+    return produced >= req.max_new_tokens or (token is not None and token in req.stop_ids)
+
+
+@torch.no_grad()
+def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest], max_batch: int,
+                        prefill_chunk: int | None = None, step_stats: bool = False,
+                        keep_logits: bool = False) -> list[Generation]:
+    """Greedy generations on the contiguous KV cache: requests of equal prompt length decode together, up to
+    `max_batch` at a time (finished ones leave the batch, as on a server); prompts are prefilled in chunks of
+    `prefill_chunk` tokens (None: whole)."""
+    requests = cap_requests(requests, engine.cfg.max_position)
+    nx, weights, model = engine.nx, engine.weights, engine.model
+    dev = engine.device
+    rec = Recorder(len(requests), max((r.max_new_tokens for r in requests), default=1), dev, step_stats,
+                   keep_logits)
+    lengths = [0] * len(requests)
+    by_len: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_len.setdefault(len(r.prompt), []).append(i)
+    for plen, members in by_len.items():
+        for g in range(0, len(members), max_batch):
+            live = members[g:g + max_batch]
+            longest = max(requests[i].max_new_tokens for i in live)
+            cache = KVCache.empty(model.cfg, len(live), plen + longest, dev)
+            x = torch.tensor([requests[i].prompt for i in live], dtype=torch.long, device=dev)  # (b, plen)
+            chunk = prefill_chunk or plen
+            for s in range(0, plen, chunk):
+                last = model.forward(nx, weights, x[:, s:s + chunk], cache)[:, -1]  # (b, vocab)
+            step = 0
+            while live:
+                rows = torch.tensor(live, dtype=torch.long, device=dev)
+                nxt = rec.record(rows, torch.full_like(rows, step), last, live)
+                step += 1
+                host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
+                keep = []
+                for j, i in enumerate(live):
+                    lengths[i] = step
+                    if not finished(requests[i], step, host[j]):
+                        keep.append(j)
+                if not keep:
+                    break
+                if len(keep) < len(live):  # finished requests leave the batch and the cache
+                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.k = [k.index_select(0, sel) for k in cache.k]
+                    cache.v = [v.index_select(0, sel) for v in cache.v]
+                    nxt = nxt.index_select(0, sel)
+                    live = [live[j] for j in keep]
+                last = model.forward(nx, weights, nxt[:, None], cache)[:, -1]
+    return rec.results(lengths)

@@ -1,0 +1,31 @@
+"""Generation requests from the evaluations to a model: all at once, batched as the model serves them.
+
+The engine (`engine.api.Engine.generate_batch`: the paged serving runtime, or the contiguous cache for MLA) and
+the FP32 reference (`evalharness.reference.ReferenceLM.generate_batch`: transformers with its KV cache, padded
+batches) both take the whole request list; a third-party engine that offers only the one-request
+``generate(prompt, max_new_tokens, stop_ids, return_logits)`` of the narrow interface is driven one request at a
+time, with the same per-step statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from engine.generation import Generation, GenerationRequest, step_statistics
+
+
+def generate_many(model: Any, requests: Sequence[GenerationRequest], max_batch: int,
+                  step_stats: bool = False) -> list[Generation]:
+    """Greedy generations of `requests` by `model`, decoded `max_batch` at a time when it batches."""
+    if hasattr(model, "generate_batch"):
+        return model.generate_batch(requests, max_batch=max_batch, step_stats=step_stats)
+    out = []
+    for r in requests:
+        if not step_stats:
+            out.append(Generation([int(t) for t in model.generate(list(r.prompt), r.max_new_tokens,
+                                                                  stop_ids=r.stop_ids)]))
+            continue
+        tokens, logits = model.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids, return_logits=True)
+        ent, margin = step_statistics(logits)
+        out.append(Generation([int(t) for t in tokens], ent.tolist(), margin.tolist()))
+    return out

@@ -1,0 +1,110 @@
+"""Batched generation (`Engine.generate_batch`): the paged runtime's continuous batching (GQA) and the contiguous
+cache (MLA) against one request at a time, with per-request budgets and stop ids."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.api import Engine
+from engine.generation import GenerationRequest, step_statistics
+from engine.loading import load_model
+from engine.model import Transformer
+from engine.serving import ServingConfig
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.numerics
+
+
+@pytest.fixture(scope="module")
+def zoo() -> dict[str, Transformer]:
+    """zoo-llama (GQA: the paged runtime) and zoo-moe (MLA: the contiguous cache)."""
+    out = {}
+    for name in ("zoo-llama", "zoo-moe"):
+        loaded = load_model(str(REPO / "zoo" / name))
+        out[name] = Transformer(loaded.cfg, loaded.weights)
+    return out
+
+
+def _requests(seed: int = 0, stops: bool = False) -> list[GenerationRequest]:
+    """Nine requests: prompts of 3-40 tokens (some of equal length), budgets 1-14, stop ids on some."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(9):
+        n = rnd.choice([3, 9, 9, 24, 40])
+        prompt = [1] + [rnd.randrange(3, 4000) for _ in range(n - 1)]
+        stop = tuple(rnd.sample(range(3, 4000), 300)) if stops and i % 2 else ()
+        out.append(GenerationRequest(tuple(prompt), rnd.randint(1, 14), stop))
+    return out
+
+
+@pytest.mark.parametrize("model", ["zoo-llama", "zoo-moe"])
+@pytest.mark.parametrize("batch,chunk", [(4, None), (3, 7), (16, None)])
+def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
+    """Under fp32, continuous batching (GQA) and equal-length batches (MLA) give every request the tokens of
+    `Engine.generate` alone, budgets and stop ids included; step statistics match its logits."""
+    eng = Engine(zoo[model], "fp32")
+    assert eng.runtime_serves() == (model == "zoo-llama")
+    reqs = _requests(stops=True)
+    gens = eng.generate_batch(reqs, ServingConfig(max_batch=batch, prefill_chunk=chunk), step_stats=True)
+    stopped = 0
+    for r, g in zip(reqs, gens):
+        tokens, logits = eng.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids, return_logits=True)
+        assert g.tokens == tokens
+        stopped += len(tokens) < r.max_new_tokens
+        ent, margin = step_statistics(logits)
+        assert g.entropy == pytest.approx(ent.tolist(), abs=1e-4) and g.margin == pytest.approx(margin.tolist(),
+                                                                                                 abs=1e-3)
+    assert stopped >= 1  # some request ended on a stop id before its budget
+
+
+def test_a_request_that_stops_at_once_frees_its_slot(zoo):
+    """A request whose first token is a stop id (or whose budget is 1) ends at prefill; the next waiting request
+    takes its slot, and everything still matches one request at a time."""
+    eng = Engine(zoo["zoo-llama"], "fp32")
+    base = _requests(seed=3)
+    first = eng.generate_batch(base, ServingConfig(max_batch=2))
+    reqs = [GenerationRequest(r.prompt, 10, (g.tokens[0],) if i % 3 == 0 else ()) for i, (r, g) in
+            enumerate(zip(base, first))]
+    got = eng.generate_batch(reqs, ServingConfig(max_batch=2))
+    assert [len(g.tokens) for g in got[::3]] == [1] * len(got[::3])
+    assert [g.tokens for g in got] == [eng.generate(list(r.prompt), 10, stop_ids=r.stop_ids) for r in reqs]
+
+
+@pytest.mark.parametrize("model,recipe", [("zoo-llama", "fp8-block"), ("zoo-llama", "fp8-tensor"),
+                                          ("zoo-moe", "fp8-block")])
+def test_fp8_batched_within_measured_batch_invariance(zoo, model, recipe):
+    """Under FP8, decoding next to other requests moves each step's logits by at most delta, measured on the
+    steps before the two decodes part; where they part, the one-at-a-time decode's top-1/top-2 margin is within
+    2 * delta (a near-tie that the batch composition may flip), never a real error."""
+    eng = Engine(zoo[model], recipe)
+    reqs = [GenerationRequest(r.prompt, 16) for r in _requests(seed=1)[:6]]
+    gens = eng.generate_batch(reqs, ServingConfig(max_batch=4), keep_logits=True)
+    parted = 0
+    for r, g in zip(reqs, gens):
+        tokens, logits = eng.generate(list(r.prompt), r.max_new_tokens, return_logits=True)
+        split = next((i for i, (a, b) in enumerate(zip(g.tokens, tokens)) if a != b), None)
+        upto = len(tokens) if split is None else split + 1  # the parting step's logits still share a context
+        delta = (g.logits[:upto] - logits[:upto]).abs().max().item()
+        if split is not None:
+            parted += 1
+            top = torch.topk(logits[split], 2).values
+            assert (top[0] - top[1]).item() <= 2 * delta, (r, split, delta)
+    assert parted < len(reqs)
+
+
+def test_runtime_pages_are_sized_to_the_requests_and_reused(zoo):
+    """The runtime behind `generate_batch` is rebuilt only when the serving config changes or longer requests need
+    more pages, and a prompt that fills the context is an error naming its length."""
+    eng = Engine(zoo["zoo-llama"], "fp32")
+    eng.generate_batch([GenerationRequest((1, 2, 3), 4)])
+    rt = eng._runtime
+    assert rt.config.max_tokens == 256
+    eng.generate_batch([GenerationRequest((1, 2, 3, 4), 8)])
+    assert eng._runtime is rt
+    eng.generate_batch([GenerationRequest((1,) * 250, 8)])
+    assert eng._runtime is not rt and eng._runtime.config.max_tokens == 512
+    with pytest.raises(ValueError, match=f"prompt of {eng.cfg.max_position} tokens leaves no room"):
+        eng.generate_batch([GenerationRequest((1,) * eng.cfg.max_position, 1)])
