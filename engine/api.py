@@ -6,6 +6,7 @@ methods (`logits`, `generate`, and the `tap` argument).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Optional, Sequence
 
@@ -62,6 +63,9 @@ class Engine:
         self.nx = make_numerics(self.recipe, backend, **kernel_options)
         self.default_prefill_chunk: int | None = None  # serving config: chunked prefill for every `logits` call
         self.serving = ServingConfig()  # how `generate_batch` serves (max_tokens is sized per call)
+        # work done, for throughput floors: tokens through `logits`, prompt tokens prefilled for generation,
+        # decode steps and the rows they carried (summed over steps)
+        self.work: collections.Counter = collections.Counter()
         self._runtime = None  # the paged runtime `generate_batch` last used (engine.runtime.PagedRuntime)
         self.kernel_options = dict(kernel_options)
         self.hp_recipe: Recipe | None = None  # precision switching (enable_precision_switch)
@@ -169,6 +173,7 @@ class Engine:
         nx, weights = self._path(bool(flags[0]))
         nx.tap, nx.observer, nx.local = tap, observer, local
         prefill_chunk = prefill_chunk or self.default_prefill_chunk
+        self.work["forward_tokens"] += tokens.numel()
         try:
             if prefill_chunk is None or prefill_chunk >= tokens.shape[1]:
                 return self.model.forward(nx, weights, tokens)

@@ -152,6 +152,7 @@ def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest],
             cache = KVCache.empty(model.cfg, len(live), plen + longest, dev)
             x = torch.tensor([requests[i].prompt for i in live], dtype=torch.long, device=dev)  # (b, plen)
             chunk = prefill_chunk or plen
+            engine.work["prefill_tokens"] += x.numel()
             for s in range(0, plen, chunk):
                 last = model.forward(nx, weights, x[:, s:s + chunk], cache)[:, -1]  # (b, vocab)
             step = 0
@@ -173,5 +174,7 @@ def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest],
                     cache.v = [v.index_select(0, sel) for v in cache.v]
                     nxt = nxt.index_select(0, sel)
                     live = [live[j] for j in keep]
+                engine.work["decode_steps"] += 1
+                engine.work["decode_rows"] += len(live)
                 last = model.forward(nx, weights, nxt[:, None], cache)[:, -1]
     return rec.results(lengths)

@@ -179,7 +179,10 @@ class PagedRuntime:
         return self.engine.model.forward(nx, w, tokens, _PagedView(self, seq_ids, start))
 
     def _decode(self, tokens: torch.Tensor, seq_ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """One decode step (batch, 1) -> last logits (batch, vocab); replays a CUDA graph when enabled."""
+        """One decode step (batch, 1) -> last logits (batch, vocab); replays a CUDA graph when enabled. Counted in
+        the engine's `work`."""
+        self.engine.work["decode_steps"] += 1
+        self.engine.work["decode_rows"] += tokens.shape[0]
         if not self.config.cuda_graphs:
             return self._forward(tokens, seq_ids, start)[:, -1]
         b = tokens.shape[0]
@@ -235,6 +238,7 @@ class PagedRuntime:
         if hit:
             self.kv.copy_prefix(src, slot, hit)
         self.last_prefix_hit = hit
+        self.engine.work["prefill_tokens"] += len(prompt) - hit
         toks = torch.tensor([prompt], dtype=torch.long, device=self.device)
         chunk = self.config.prefill_chunk or toks.shape[1]
         ids = torch.tensor([slot], dtype=torch.long, device=self.device)

@@ -16,6 +16,7 @@ bring engine and reference tensors to one device before comparing them.
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -27,6 +28,8 @@ _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 # Attention scores of one prefill chunk of the batched reference generation: at most this many bytes
 # (eager attention materializes (batch, heads, chunk, context) fp32 scores).
 _SCORE_BYTES = 1 << 30
+# Eager attention memory of one `logits` call (scores, probabilities and a temporary, fp32) before it is split.
+_ATTN_BYTES = 16 << 30
 
 
 def disable_tf32() -> None:
@@ -133,6 +136,8 @@ class ReferenceLM:
         self.precision = precision
         self.model = build_hf_model(loaded, precision).to(self.device)
         self.cfg = loaded.cfg
+        # work done, as the engine counts it (`engine.api.Engine.work`): forward / prefill tokens, decode steps, rows
+        self.work: collections.Counter = collections.Counter()
         self._tap: Optional[Callable[[str, torch.Tensor], None]] = None
         self._install_hooks()
 
@@ -248,15 +253,44 @@ class ReferenceLM:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,
                observer=None) -> torch.Tensor:
-        """Full-sequence logits (batch, t, vocab) as fp32; `tap` sees the canonical taps."""
+        """Full-sequence logits (batch, t, vocab) as fp32; `tap` sees the canonical taps.
+
+        Without taps, a batch whose eager attention scores would pass `_ATTN_BYTES` runs in sub-batches, and a
+        sequence too long even alone is prefilled in query chunks through the KV cache (each row's softmax still
+        spans the same keys); small batches -- every CPU test -- take the one call as before.
+        """
         self._tap = tap
+        self.work["forward_tokens"] += tokens.numel()
+        b, t = tokens.shape
+        per_seq = 3 * self.model.config.num_attention_heads * t * t * 4  # scores, probabilities, one temporary
         try:
-            out = self.model(input_ids=tokens.to(self.device), use_cache=False).logits.float()
+            if tap is not None or b * per_seq <= _ATTN_BYTES:
+                out = self.model(input_ids=tokens.to(self.device), use_cache=False).logits.float()
+            elif per_seq <= _ATTN_BYTES:
+                step = _ATTN_BYTES // per_seq
+                out = torch.cat([self.model(input_ids=tokens[i:i + step].to(self.device), use_cache=False)
+                                 .logits.float() for i in range(0, b, step)])
+            else:
+                out = torch.cat([self._chunked(tokens[i:i + 1]) for i in range(b)])
         finally:
             self._tap = None
         if tap is not None:
             tap("logits", out)
         return out
+
+    def _chunked(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (1, t, vocab) of one long sequence, prefilled in query chunks through HF's KV cache."""
+        from transformers import DynamicCache
+
+        t = tokens.shape[1]
+        chunk = max(1, _ATTN_BYTES // (3 * self.model.config.num_attention_heads * t * 4))
+        ids = tokens.to(self.device)
+        cache, parts = DynamicCache(), []
+        for s in range(0, t, chunk):
+            pos = torch.arange(s, min(t, s + chunk), device=self.device)[None]
+            parts.append(self.model(input_ids=ids[:, s:s + chunk], position_ids=pos,
+                                    **self._cache_kwargs(cache)).logits.float())
+        return torch.cat(parts, dim=1)
 
     def _cache_kwargs(self, cache) -> dict:
         """The KV-cache argument of the HF forward: `cache=` (transformers >= 5.24), else `past_key_values=`."""
@@ -299,6 +333,7 @@ class ReferenceLM:
             ids, mask = ids.to(dev), mask.to(dev)
             positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (b, plen)
             cache = DynamicCache()
+            self.work["prefill_tokens"] += ids.numel()
             chunk = max(1, _SCORE_BYTES // (len(live) * heads * total * 4))
             for s in range(0, plen, chunk):
                 out = self.model(input_ids=ids[:, s:s + chunk], attention_mask=mask[:, :s + chunk],
@@ -323,6 +358,8 @@ class ReferenceLM:
                     cache.batch_select_indices(sel)
                     mask, nxt = mask.index_select(0, sel), nxt.index_select(0, sel)
                     live = [live[j] for j in keep]
+                self.work["decode_steps"] += 1
+                self.work["decode_rows"] += len(live)
                 pos = mask.sum(-1, keepdim=True)  # (b, 1): the new token's position
                 mask = torch.cat([mask, torch.ones_like(pos)], dim=1)
                 out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,

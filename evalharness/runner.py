@@ -286,6 +286,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         samples: dict[str, Any] = {}
         timing: dict[str, float] = {}
         data_sha: dict[str, str] = {}
+        work: dict[str, int] = {}  # tokens / decode steps each eval cost the engine and the reference
         error = None
         ctx = None
         try:
@@ -302,8 +303,16 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             for name, cfg in spec.evals.items():
                 te = time.time()
                 torch.manual_seed(spec.seed)
+                before = {side: dict(getattr(obj, "work", {})) for side, obj in (("engine", engine),
+                                                                                ("reference", reference))}
+                ref_before = ctx.timing.get("reference_s", 0.0)
                 m, s = run_eval(name, ctx, cfg)
                 timing[f"{name}_s"] = round(time.time() - te, 3)
+                timing[f"{name}.reference_s"] = round(ctx.timing.get("reference_s", 0.0) - ref_before, 3)
+                for side, obj in (("engine", engine), ("reference", reference)):  # work of this eval, per side
+                    for k, v in getattr(obj, "work", {}).items():
+                        if v != before[side].get(k, 0):
+                            work[f"{name}.{side}.{k}"] = v - before[side].get(k, 0)
                 metrics.update({f"{name}.{k}": v for k, v in m.items()})
                 if s:
                     samples[name] = s
@@ -317,11 +326,11 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             status = "error"
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc(limit=8)}
         if ctx is not None:  # the evals' own part timings (kept for a failed run too: where did the time go)
-            timing.update({k: round(v, 3) for k, v in ctx.timing.items()})
+            timing.update({k: round(v, 3) for k, v in ctx.timing.items() if k != "reference_s"})
         timing["total_s"] = round(time.time() - t_run, 3)
         engine = ctx = engine_for = None  # drop this recipe's prepared weights before the next one is built
         doc = _result_doc(spec, suite, status, metrics, samples, timing, error, loaded.sha256, data_sha, device,
-                          dict(counters), ref_device)
+                          {**counters, **work}, ref_device)
         sink(spec, path, doc)
         n = done + i + 1
         if status == "ok":

@@ -14,6 +14,7 @@ import yaml
 
 from engine.recipe import named_recipes
 from evalharness.cli import main
+from evalharness.errors import SuiteError
 from evalharness.gate import validate_rules
 from evalharness.suite import load_suite
 from tests.conftest import REPO
@@ -70,23 +71,27 @@ def test_nightly_workflow():
 
 
 def test_nightly_suite_loads():
-    """suites/nightly.yaml: every named recipe, valid gate rules, zoo models + stories260K with a data dir."""
+    """suites/nightly.yaml: the native engine, every named recipe, valid gate rules, the zoo models + stories260K
+    with a data dir, at the sizes of a real nightly (PPL 256 x 512, hundreds of documents per task, 1024 new
+    tokens)."""
     raw = yaml.safe_load((REPO / "suites" / "nightly.yaml").read_text())
+    assert raw["backend"] == "cuda-native"
     assert sorted(raw["recipes"]) == sorted(named_recipes())
     validate_rules(raw["gate"], "suites/nightly.yaml")
-    names = [m["name"] for m in raw["models"]]
-    assert {"zoo-llama", "zoo-moe", "tiny-llama", "stories260k"} <= set(names)
-    assert raw["evals"]["ppl_kld"]["seq_len"] == 512
-    suite = load_suite(REPO / "suites" / "nightly.yaml", data_dir=None)
-    # Without a data dir only the built-in model runs; the others are skipped with a message.
-    assert {r.model["name"] for r in suite.runs} == {"tiny-llama"} and len(suite.skipped) == 3
-    assert len(suite.runs) == len(named_recipes()) * 2  # x serving {default, bs1}
+    assert [m["name"] for m in raw["models"]] == ["zoo-llama", "zoo-moe", "stories260k"]
+    ev = raw["evals"]
+    assert (ev["ppl_kld"]["seq_len"], ev["ppl_kld"]["max_windows"]) == (512, 256)
+    assert min(ev["tasks"]["limit"].values()) >= 100 and ev["longctx"]["new_tokens"] >= 1024
+    # Without a data dir (the corpora live there) there is nothing to run, and the error says what is missing.
+    with pytest.raises(SuiteError, match="model 'zoo-llama' needs the data dir"):
+        load_suite(REPO / "suites" / "nightly.yaml", data_dir=None)
 
 
 def test_nightly_suite_with_data_dir(data_dir):
-    """With the shared data every model of the matrix is in: 4 models x every recipe x 2 serving configs."""
+    """With the shared data every model of the matrix is in: 3 models x every recipe x 2 serving configs."""
     suite = load_suite(REPO / "suites" / "nightly.yaml", data_dir=str(data_dir))
-    assert len(suite.runs) == 4 * len(named_recipes()) * 2 and not suite.skipped
+    assert len(suite.runs) == 3 * len(named_recipes()) * 2 and not suite.skipped
+    assert {r.backend for r in suite.runs} == {"cuda-native"}
 
 
 def _gate_sh(tmp: Path, baselines: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -65,3 +65,18 @@ def test_generate_many_drives_a_one_request_engine():
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert torch.allclose(torch.tensor(sum((g.entropy for g in got), [])),
                           torch.tensor(sum((w.entropy for w in want), [])), atol=1e-5)
+
+
+def test_long_batches_split_to_bound_attention_memory(monkeypatch):
+    """`logits` over a batch whose eager attention would pass the budget runs in sub-batches (same bits), and a
+    sequence too long alone in query chunks through the KV cache (fp32 rounding only)."""
+    import evalharness.reference as R
+
+    ref = ReferenceLM(load_model(str(REPO / "zoo" / "zoo-llama")))
+    heads = ref.model.config.num_attention_heads
+    x = torch.randint(0, 4000, (5, 300), generator=torch.Generator().manual_seed(0))
+    full = ref.logits(x)
+    monkeypatch.setattr(R, "_ATTN_BYTES", 3 * heads * 300 * 300 * 4 * 2)  # two sequences per call
+    assert torch.equal(ref.logits(x), full)
+    monkeypatch.setattr(R, "_ATTN_BYTES", 3 * heads * 300 * 70 * 4)  # one sequence, 70 queries at a time
+    assert (ref.logits(x) - full).abs().max().item() <= 1e-4
