@@ -168,13 +168,16 @@ def eval_work(doc: dict, name: str, side: str) -> dict[str, int]:
     return {k[len(prefix):]: v for k, v in doc.get("counters", {}).items() if k.startswith(prefix)}
 
 
-def write_suite(path: Path, base: dict, ckpt: Path, label: str, recipes: list[str], backend: str) -> None:
-    """The benchmark's suite: the base suite's evals, serving and gate, on the checkpoint."""
+def write_suite(path: Path, base: dict, ckpt: Path, label: str, recipes: list[str], backend: str,
+                serving: list[str] | None) -> None:
+    """The benchmark's suite: the base suite's evals, serving (those named in `serving`; all when None) and gate,
+    on the checkpoint."""
     suite = {"name": "bench-harness", "description": f"{label} random weights: the evaluations of "
              f"{base['name']} timed", "backend": backend, "seed": 0,
              "models": [{"name": label.lower(), "path": str(ckpt),
                          "corpus": "${data_dir}/text/wikitext2/wiki.test.raw"}],
-             "recipes": recipes, "serving": base["serving"], "evals": base["evals"], "gate": base["gate"]}
+             "recipes": recipes, "serving": [c for c in base["serving"] if serving is None or c["name"] in serving],
+             "evals": base["evals"], "gate": base["gate"]}
     path.write_text(yaml.safe_dump(suite, sort_keys=False))
 
 
@@ -248,6 +251,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's all)")
     ap.add_argument("--suite", default=str(REPO / "suites" / "nightly.yaml"), help="whose evals and serving to time")
     ap.add_argument("--recipes", default="fp8-block,bf16", help="recipes to run (comma separated)")
+    ap.add_argument("--serving", default=None, help="serving configs of the suite to run (comma separated names; "
+                    "default all)")
     ap.add_argument("--data-dir", default=os.environ.get("EVALHARNESS_DATA_DIR"), help="the shared data folder")
     ap.add_argument("--work", default="/tmp/bench_harness", help="scratch folder (checkpoint, results)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where bench_harness.{json,txt} go")
@@ -292,12 +297,25 @@ def main() -> None:
                      + json.dumps({"reference": units["reference"], "engine": units["engine"]}))
     print(out_lines[-1], flush=True)
     suite_path = work / "suite.yaml"
-    write_suite(suite_path, base, ckpt, label, recipes, backend)
+    write_suite(suite_path, base, ckpt, label, recipes, backend, args.serving.split(",") if args.serving else None)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     suite = load_suite(suite_path, data_dir=args.data_dir)
-    run_suite(suite, work / "results", log=lambda s: print(s, flush=True))
+    finished: list[dict] = []
+
+    def on_result(path: Path, doc: dict) -> None:
+        """Each run as it finishes: its timing, work and status into OUT (a run cut short keeps what finished)."""
+        finished.append(doc)
+        print("\n".join(table(finished, units, base)[0]), flush=True)
+        if args.out:
+            keep = {k: doc.get(k) for k in ("run_key", "status", "error", "timing", "counters", "spec")}
+            with open(Path(args.out) / "bench_harness_runs.jsonl", "a") as f:
+                f.write(json.dumps(keep, default=str) + "\n")
+
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    run_suite(suite, work / "results", log=lambda s: print(s, flush=True), on_result=on_result)
     wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     docs = [json.loads((work / "results" / f"{s.key}.json").read_text()) for s in suite.runs]
