@@ -129,6 +129,21 @@ def finished(req: GenerationRequest, produced: int, token: int | None) -> bool:
     return produced >= req.max_new_tokens or (token is not None and token in req.stop_ids)
 
 
+def lockstep_step(rec: Recorder, requests: Sequence[GenerationRequest], live: list[int], step: int,
+                  logits: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """One step of requests `live` decoding in lockstep (all at output position `step`): record their greedy tokens
+    from logits (b, vocab), set their lengths; returns (tokens (b,), positions in `live` of those not finished)."""
+    rows = torch.tensor(live, dtype=torch.long, device=logits.device)
+    nxt = rec.record(rows, torch.full_like(rows, step), logits, live)
+    host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
+    keep = []
+    for j, i in enumerate(live):
+        lengths[i] = step + 1
+        if not finished(requests[i], step + 1, host[j]):
+            keep.append(j)
+    return nxt, keep
+
+
 @torch.no_grad()
 def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest], max_batch: int,
                         prefill_chunk: int | None = None, step_stats: bool = False,
@@ -155,17 +170,8 @@ def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest],
             engine.work["prefill_tokens"] += x.numel()
             for s in range(0, plen, chunk):
                 last = model.forward(nx, weights, x[:, s:s + chunk], cache)[:, -1]  # (b, vocab)
-            step = 0
-            while live:
-                rows = torch.tensor(live, dtype=torch.long, device=dev)
-                nxt = rec.record(rows, torch.full_like(rows, step), last, live)
-                step += 1
-                host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
-                keep = []
-                for j, i in enumerate(live):
-                    lengths[i] = step
-                    if not finished(requests[i], step, host[j]):
-                        keep.append(j)
+            for step in range(longest):
+                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths)
                 if not keep:
                     break
                 if len(keep) < len(live):  # finished requests leave the batch and the cache

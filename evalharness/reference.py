@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.generation import Generation, GenerationRequest, Recorder, cap_requests, finished
+from engine.generation import Generation, GenerationRequest, Recorder, cap_requests, lockstep_step
 from engine.loading import LoadedModel
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -340,17 +340,8 @@ class ReferenceLM:
                                  position_ids=positions[:, s:s + chunk], logits_to_keep=1,
                                  **self._cache_kwargs(cache))
             last = out.logits[:, -1].float()  # (b, vocab)
-            step = 0
-            while True:
-                rows = torch.tensor(live, dtype=torch.long, device=dev)
-                nxt = rec.record(rows, torch.full_like(rows, step), last, live)
-                step += 1
-                host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
-                keep = []
-                for j, i in enumerate(live):
-                    lengths[i] = step
-                    if not finished(requests[i], step, host[j]):
-                        keep.append(j)
+            for step in range(total - plen):
+                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths)
                 if not keep:
                     break
                 if len(keep) < len(live):  # finished requests leave the batch and the cache
