@@ -106,13 +106,13 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
     prompts = [torch.randint(0, 4096, (512,), generator=g).tolist() for _ in range(max(batches))]
     out: dict = {"vocab": vocab, "forward_tokens": x.numel(), "engine": {}}
     ref = ReferenceLM(loaded, device=device)
-    out["reference"] = {"forward_s_per_token": _sync_time(lambda: ref.logits(x)) / x.numel(),
+    out["reference"] = {"forward_s_per_token": _sync_time(lambda r=ref: r.logits(x)) / x.numel(),
                         "decode_s": {b: ref_decode_step(ref, prompts[:b]) for b in batches}}
     model = Transformer(loaded.cfg, loaded.weights).to(device)
     cuda = device == "cuda"
     for recipe in recipes:
         eng = Engine(model, recipe, backend="cuda-native" if cuda else "cpu-emulated")
-        fwd = _sync_time(lambda: eng.logits(x)) / x.numel()
+        fwd = _sync_time(lambda e=eng: e.logits(x)) / x.numel()
         dec = {}
         for b in batches:
             rt = PagedRuntime(eng, ServingConfig(kv_block_size=64, max_batch=b, max_tokens=1024, cuda_graphs=cuda))
@@ -121,7 +121,7 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
             ids = torch.arange(b, device=device)
             start = torch.full((b,), 512, dtype=torch.long, device=device)
             tok = torch.ones((b, 1), dtype=torch.long, device=device)
-            dec[b] = _sync_time(lambda: [rt._decode(tok, ids, start) for _ in range(32)]) / 32
+            dec[b] = _sync_time(lambda r=rt: [r._decode(tok, ids, start) for _ in range(32)]) / 32
             del rt
         out["engine"][recipe] = {"forward_s_per_token": fwd, "decode_s": dec}
         del eng
