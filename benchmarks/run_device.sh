@@ -2,7 +2,8 @@
 # One batched GPU run: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
 # Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
 # carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
-#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [parallel] [pack]
+#   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [nightly] [harness]
+#                                                 [parallel] [pack]
 # Each part writes its log under $OUT; a failing part never stops the next one. Without OUT the files go to
 # benchmarks/results/<hw>-<date>/ (e.g. h200-2026-11-30, h200x2-2026-11-29), the layout of benchmarks/results/:
 # copy what a run measured there, with a README.md naming the command of each file.
@@ -96,6 +97,25 @@ for part in $parts; do
         run evals "${EVALS_TIMEOUT:-420}" python -m evalharness.cli run suites/evals.yaml --no-tracking --out "$OUT/evals" \
           "${EVALS_DEVICE_SETS[@]}" "${extra[@]}"
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
+      ) ;;
+    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls (NIGHTLY_OUT: the dated folder to continue,
+      # NIGHTLY_TIMEOUT: seconds); carry the folder back between device calls and commit it when complete
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .carry/whl/*.whl > "$OUT/nightly_pip.log" 2>&1 || echo "nightly: pip install of .carry/whl failed"
+      (
+        export PYTHONPATH=/tmp/site:$PWD
+        run nightly "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run suites/nightly.yaml --device cuda --resume \
+          --no-tracking --out "${NIGHTLY_OUT:-$OUT/nightly}"
+        python benchmarks/timing_table.py "${NIGHTLY_OUT:-$OUT/nightly}" > "$OUT/nightly_timing.txt" 2>&1
+      ) ;;
+    harness)  # benchmarks/bench_harness.py: the nightly's evaluations on a Llama-3-8B-shaped checkpoint (HARNESS_ARGS)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .carry/whl/*.whl > "$OUT/harness_pip.log" 2>&1 || echo "harness: pip install of .carry/whl failed"
+      read -ra hargs <<< "${HARNESS_ARGS:-}"
+      (
+        export PYTHONPATH=/tmp/site:$PWD
+        run bench_harness "${HARNESS_TIMEOUT:-570}" python benchmarks/bench_harness.py --data-dir .carry/data \
+          --work /tmp/bench_harness "${hargs[@]}"
       ) ;;
     pack)  # the device tool brings back a handful of files: pack everything into one archive
       (cd "$OUT" && tar czf ../device_results.tgz . && rm -rf ./* && mv ../device_results.tgz .) ;;
