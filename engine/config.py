@@ -28,6 +28,15 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deeps
 SUPPORTED_MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 SUPPORTED_ACTS = ("silu",)
 ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+# config.json keys that must be JSON integers / numbers when present (null = absent): a quoted "256" is an error
+# naming the key, not a silently converted value
+INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "bos_token_id",
+            "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+            "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "decoder_sparse_step", "moe_layer_freq", "n_group", "topk_group",
+            "n_shared_experts", "first_k_dense_replace")
+FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "clip_qkv")
 # o_proj carries a bias iff attention_bias is set (HF); qwen2 / mistral families never have one
 _O_PROJ_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 
@@ -189,6 +198,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], where: str = "config.json") -> "ModelConfig":
         """Translate an HF config mapping; unknown architectures and settings fail with the key named."""
+        _check_types(cfg, where)
         mtype = cfg.get("model_type", "llama")
         if mtype not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -276,6 +286,30 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON: {exc}") from None
         return cls.from_hf(cfg, where=str(path))
+
+
+def _check_types(cfg: Mapping[str, Any], where: str) -> None:
+    """Integer and number keys hold JSON numbers (`INT_KEYS`, `FLOAT_KEYS`); a ConfigError names the first that
+    does not (a string such as "256" is a broken export: transformers refuses it too)."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{where}: expected a JSON object of config keys, got {type(cfg).__name__}")
+
+    def bad(key: str, kind: str) -> ConfigError:
+        return ConfigError(f"{where}: '{key}' must be {kind}, got {cfg[key]!r} ({type(cfg[key]).__name__}); "
+                           "fix the value in config.json (write it without quotes)")
+
+    for key in INT_KEYS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise bad(key, "an integer")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not (isinstance(eos, int) and not isinstance(eos, bool) or isinstance(eos, list) and all(
+            isinstance(e, int) and not isinstance(e, bool) for e in eos)):
+        raise bad("eos_token_id", "an integer or a list of integers")
+    for key in FLOAT_KEYS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise bad(key, "a number")
 
 
 def _rope_settings(cfg: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:

@@ -28,5 +28,9 @@ class CheckpointError(EngineError):
     """
 
 
+class TokenizerError(EngineError):
+    """A tokenizer file is truncated, corrupt or not a tokenizer of the expected kind."""
+
+
 class TokenizerMismatchError(EngineError):
     """A tokenizer cannot be used with a model (vocab or special ids out of range)."""

@@ -238,9 +238,34 @@ def resolve_model_dir(source: str) -> Path:
     raise WeightsError(f"model not found: '{source}' is neither an existing path nor an HF hub id (org/name)")
 
 
+def _is_llama2c(source: str) -> bool:
+    """A llama2.c checkpoint source (`llama2c:PATH` or a `*.bin` file)."""
+    return source.startswith("llama2c:") or source.endswith(".bin")
+
+
+def checkpoint_files(source: str) -> list[Path]:
+    """The files whose bytes make up a model (what `load_model` reads and `LoadedModel.sha256` hashes, in order):
+    a llama2.c file, or an HF folder's config.json and safetensors shards."""
+    if _is_llama2c(source):
+        return [Path(source.removeprefix("llama2c:")).expanduser()]
+    directory = resolve_model_dir(source)
+    if not (directory / "config.json").exists():
+        raise WeightsError(f"{directory}: config.json is missing; this is not an HF model directory")
+    return [directory / "config.json", *_shard_files(directory)]
+
+
+def checkpoint_sha256(source: str) -> str:
+    """sha256 of a model's checkpoint files without loading it (equals `load_model(source).sha256`)."""
+    files = checkpoint_files(source)
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise WeightsError(f"{missing[0]}: checkpoint file not found")
+    return _hash_files(files)
+
+
 def load_model(source: str) -> LoadedModel:
     """Load a model from an HF directory / hub id, or a llama2.c checkpoint (`llama2c:PATH` or `*.bin`)."""
-    if source.startswith("llama2c:") or source.endswith(".bin"):
+    if _is_llama2c(source):
         path = Path(source.removeprefix("llama2c:")).expanduser()
         from engine.llama2c import read_llama2c
 

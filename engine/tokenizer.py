@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import re
 import struct
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from engine.errors import TokenizerMismatchError
+from engine.errors import TokenizerError, TokenizerMismatchError
 
 __all__ = [
     "Tokenizer",
+    "TokenizerError",
     "TokenizerMismatchError",
     "Llama2cTokenizer",
     "HFTokenizer",
@@ -76,6 +78,7 @@ def _wrap_ids(ids: list[int], bos: bool, eos: bool, bos_id: int | None, eos_id: 
 # --------------------------------------------------------------------------- llama2.c
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_MAX_PIECE_BYTES = 4096  # longest piece a tokenizer.bin header may declare (real ones: tens of bytes)
 
 
 class Llama2cTokenizer:
@@ -125,29 +128,7 @@ class Llama2cTokenizer:
                 "tokenizer.bin that matches the checkpoint (e.g. tok512.bin for stories260K)."
             )
         data = p.read_bytes()
-        if len(data) < 4:
-            raise ValueError(f"llama2.c tokenizer {self.path!r}: file is {len(data)} bytes, expected a 4-byte header")
-        (self.max_token_length,) = struct.unpack_from("<i", data, 0)
-        pieces: list[bytes] = []
-        scores: list[float] = []
-        off = 4
-        while (vocab_size is None and off < len(data)) or (vocab_size is not None and len(pieces) < vocab_size):
-            if off + 8 > len(data):
-                raise ValueError(
-                    f"llama2.c tokenizer {self.path!r}: file ends at byte {len(data)} inside token "
-                    f"{len(pieces)} (expected {vocab_size if vocab_size is not None else 'a whole record'}); "
-                    "the file is truncated or vocab_size is wrong"
-                )
-            score, n = struct.unpack_from("<fi", data, off)
-            off += 8
-            if n < 0 or off + n > len(data):
-                raise ValueError(
-                    f"llama2.c tokenizer {self.path!r}: token {len(pieces)} claims {n} bytes at offset "
-                    f"{off} but the file has {len(data) - off} left; the file is truncated or corrupt"
-                )
-            pieces.append(data[off : off + n])
-            scores.append(score)
-            off += n
+        pieces, scores = self._parse(data, vocab_size)
         self.pieces_bytes = pieces
         self.scores = scores
         self.vocab_size = len(pieces)
@@ -182,6 +163,43 @@ class Llama2cTokenizer:
                     self._merges[(a, b)] = i
         self._split_on_space = not any(" " in s[1:] for s in self._lookup)
         self._cache: dict[str, list[int]] = {}
+
+    def _fail(self, problem: str) -> TokenizerError:
+        """A `TokenizerError` naming the file, what is wrong and what to do."""
+        return TokenizerError(f"llama2.c tokenizer {self.path!r}: {problem}; the file is truncated or not a llama2.c "
+                              "tokenizer.bin: use the tokenizer file exported with the checkpoint (e.g. tok512.bin "
+                              "for stories260K)")
+
+    def _parse(self, data: bytes, vocab_size: int | None) -> tuple[list[bytes], list[float]]:
+        """The (piece bytes, score) records of a tokenizer.bin, validated: a garbage file fails here, naming the
+        offset, instead of parsing into a vocabulary of nonsense."""
+        if len(data) < 4:
+            raise self._fail(f"file is {len(data)} bytes, expected a 4-byte header")
+        (self.max_token_length,) = struct.unpack_from("<i", data, 0)
+        if not 0 < self.max_token_length <= _MAX_PIECE_BYTES:
+            raise self._fail(f"header max_token_length {self.max_token_length} is not in 1..{_MAX_PIECE_BYTES}")
+        pieces: list[bytes] = []
+        scores: list[float] = []
+        off = 4
+        while (vocab_size is None and off < len(data)) or (vocab_size is not None and len(pieces) < vocab_size):
+            if off + 8 > len(data):
+                raise self._fail(f"file ends at byte {len(data)} inside token {len(pieces)} (expected "
+                                 f"{vocab_size if vocab_size is not None else 'a whole record'}; or vocab_size is "
+                                 "wrong)")
+            score, n = struct.unpack_from("<fi", data, off)
+            off += 8
+            if n < 0 or off + n > len(data):
+                raise self._fail(f"token {len(pieces)} claims {n} bytes at offset {off} but the file has "
+                                 f"{len(data) - off} left")
+            if not 0 < n <= self.max_token_length or not math.isfinite(score):
+                raise self._fail(f"token {len(pieces)} at offset {off - 8} has {n} bytes (the header allows 1.."
+                                 f"{self.max_token_length}) and score {score}")
+            pieces.append(data[off : off + n])
+            scores.append(score)
+            off += n
+        if len(pieces) < 3:
+            raise self._fail(f"it holds {len(pieces)} token(s); a llama vocabulary has at least <unk>, BOS and EOS")
+        return pieces, scores
 
     def _char_ids(self, text: str) -> list[int]:
         """Map each code point to its piece id, or its ``<0xXX>`` byte-token ids."""
@@ -362,7 +380,7 @@ class HFTokenizer:
                 self._hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
             except Exception as e:  # noqa: BLE001 - fall back to a bare tokenizer.json below
                 if not (p / "tokenizer.json").is_file():
-                    raise ValueError(
+                    raise TokenizerError(
                         f"could not load a transformers tokenizer from {self.path!r}: {e}. The directory "
                         "needs tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json)."
                     ) from e
@@ -380,7 +398,11 @@ class HFTokenizer:
                 f"HF tokenizer: {str(file)!r} does not exist (looked for tokenizer.json / tokenizer_config.json "
                 f"in {self.path!r}). Point to a directory with tokenizer files or a tokenizer.json."
             )
-        self._tk = _RawTokenizer.from_file(str(file))
+        try:
+            self._tk = _RawTokenizer.from_file(str(file))
+        except Exception as exc:  # the tokenizers library raises its own Exception type for unparsable files
+            raise TokenizerError(f"HF tokenizer {str(file)!r} cannot be read ({exc}); the file is truncated or not a "
+                                 "tokenizers JSON file: use the tokenizer.json saved with the model") from None
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
         bos_s, eos_s = _special_from_config(p)
 
@@ -535,18 +557,30 @@ def load_tokenizer(spec: str | None, model_dir: str | None = None) -> Tokenizer:
     )
 
 
-def check_compatible(tokenizer: Tokenizer, model_vocab_size: int, where: str) -> None:
-    """Raise :class:`TokenizerMismatchError` if ``tokenizer`` can emit ids the model lacks.
+def spare_rows_allowed(model_vocab_size: int) -> int:
+    """Embedding rows a model may have beyond its tokenizer's ids: padding to a round size (checkpoints pad the
+    table to a multiple of 64..256 rows, or reserve a few hundred ids: at most 1% of the vocabulary, or 128 rows)."""
+    return max(128, model_vocab_size // 100)
 
-    Fails when ``tokenizer.vocab_size > model_vocab_size`` or when ``bos_id``
-    / ``eos_id`` are not in ``[0, model_vocab_size)``. A tokenizer *smaller*
-    than the model is fine (padded embedding tables are common). ``where``
-    names the model/config being checked and appears in the message.
+
+def check_compatible(tokenizer: Tokenizer, model_vocab_size: int, where: str) -> None:
+    """Raise :class:`TokenizerMismatchError` if ``tokenizer`` does not belong to a model of ``model_vocab_size`` ids.
+
+    Fails when ``tokenizer.vocab_size > model_vocab_size`` (it emits ids the model lacks), when ``bos_id`` /
+    ``eos_id`` are not in ``[0, model_vocab_size)``, and when the tokenizer is so much *smaller* than the model that
+    the difference cannot be padding (:func:`spare_rows_allowed`: a tokenizer of another model, e.g. a 512-piece
+    tokenizer on a 32000-id model, whose text would exercise a sliver of the embedding table). ``where`` names the
+    model/config being checked and appears in the message.
     """
     problems = []
     tv = int(tokenizer.vocab_size)
     if tv > model_vocab_size:
         problems.append(f"tokenizer vocab_size {tv} > model vocab_size {model_vocab_size}")
+    spare = model_vocab_size - tv
+    if spare > spare_rows_allowed(model_vocab_size):
+        problems.append(f"tokenizer vocab_size {tv} is {spare} ids smaller than the model's {model_vocab_size} (more "
+                        f"than the {spare_rows_allowed(model_vocab_size)} rows padding accounts for): it is the "
+                        "tokenizer of another model")
     for name in ("bos_id", "eos_id"):
         v = getattr(tokenizer, name, None)
         if v is not None and not 0 <= int(v) < model_vocab_size:

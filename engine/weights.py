@@ -146,13 +146,16 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
 def check_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: str) -> None:
     """Raise `WeightsError` naming the first missing / misshapen / non-finite tensor."""
     shapes = expected_shapes(cfg)
+    fix = ("the checkpoint and its config.json do not belong together: re-export the checkpoint, or use the config "
+           "it was saved with")
     missing = [n for n in shapes if n not in weights]
     if missing:
-        raise WeightsError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}")
+        raise WeightsError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}; "
+                           f"{fix}")
     for name, shape in shapes.items():
         t = weights[name]
         if tuple(t.shape) != shape:
-            raise WeightsError(f"{where}: tensor '{name}' has shape {tuple(t.shape)}, config expects {shape}")
+            raise WeightsError(f"{where}: tensor '{name}' has shape {tuple(t.shape)}, config expects {shape}; {fix}")
         if not _all_finite(t):
             raise WeightsError(f"{where}: tensor '{name}' holds NaN/Inf values; the checkpoint is corrupt")
 
