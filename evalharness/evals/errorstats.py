@@ -32,6 +32,8 @@ LOG_LO, LOG_HI, BINS = -12.0, 6.0, 720
 BIN_RATIO = 10 ** ((LOG_HI - LOG_LO) / BINS)
 # histc puts x == max into the last bin; clamping just below it keeps huge errors (and inf) there too.
 _LOG_TOP = LOG_HI - 0.5 * (LOG_HI - LOG_LO) / BINS
+# The statistics of `ErrorAccumulator.result` that measure the error (NaN when the engine had non-finite entries).
+ERROR_STATS = ("rel_l2", "cosine", "sqnr_db", "max_abs", "mean_abs", "p50_abs", "p99_abs", "p999_abs")
 STATE_SIZE = 8
 N_SUMS = 6  # state[:6] are sums, state[6:] maxima
 EE, ER, RR, DD, ABS_D, COUNT, MAX_D, MAX_R = range(STATE_SIZE)
@@ -82,8 +84,11 @@ class ErrorAccumulator:
     (BIN_RATIO = 1.0593: at most 5.9 % high) for errors inside that range;
     0 when x_(k) <= 1e-12 (exact zeros included), 1e6 when x_(k) > 1e6.
 
-    Sums accumulate in float64; entries where the engine is not finite count
-    as no error (both sides zeroed) and are reported as ``nonfinite_frac``.
+    Sums accumulate in float64; entries where the engine is not finite are
+    left out of the sums (both sides zeroed) and counted: `result` reports
+    their share as ``nonfinite_frac`` and, when there is any, every error
+    statistic as NaN (a tap with NaN/Inf outputs is never "exact"), while
+    `finite_result` gives the statistics over the finite entries alone.
     `kernel`: None (default) uses the Triton fold for CUDA tensors when Triton
     is installed, False always the torch one (`fold_reference`).
     """
@@ -137,7 +142,15 @@ class ErrorAccumulator:
         return 10 ** (LOG_LO + (i + 1) * (LOG_HI - LOG_LO) / BINS)
 
     def result(self) -> dict[str, float]:
-        """The statistics as a flat dict of floats (NaN where undefined)."""
+        """The statistics as a flat dict of floats: NaN where undefined, and every error statistic NaN when the
+        engine had non-finite entries (``nonfinite_frac`` > 0), so that no rule on them can pass."""
+        res = self.finite_result()
+        if self.nonfinite:
+            res.update({k: math.nan for k in ERROR_STATS})
+        return res
+
+    def finite_result(self) -> dict[str, float]:
+        """The statistics over the finite engine entries alone (NaN where undefined), with ``nonfinite_frac``."""
         s = [0.0] * STATE_SIZE if self.state is None else self.state.detach().cpu().tolist()
         count, nonfinite = int(s[COUNT]), self._seen - int(s[COUNT])
         n = max(count, 1)

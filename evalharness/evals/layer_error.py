@@ -24,6 +24,7 @@ compared numerically: they report ``<tap>.overlap`` = mean over tokens of
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -158,6 +159,7 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
 
     metrics: dict[str, float] = {}
     worst, worst_rel = None, -1.0
+    seen = bad = 0  # engine tap elements compared, and how many of them were NaN/Inf
     for name in order:
         res = acc[name].result()
         if isinstance(acc[name], OverlapAccumulator):
@@ -167,9 +169,13 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
             metrics[f"{name}.{stat}"] = res[stat]
         if res["nonfinite_frac"] > 0:
             metrics[f"{name}.nonfinite_frac"] = res["nonfinite_frac"]
-        if name != "logits" and res["rel_l2"] > worst_rel:
-            worst, worst_rel = name, res["rel_l2"]
+        seen += acc[name].count + acc[name].nonfinite
+        bad += acc[name].nonfinite
+        rel = res["rel_l2"]  # the worst tap; a NaN (non-finite outputs) is worse than any number
+        if name != "logits" and not math.isnan(worst_rel) and (math.isnan(rel) or rel > worst_rel):
+            worst, worst_rel = name, rel
     metrics["max_rel_l2"] = worst_rel
+    metrics["nonfinite_frac"] = bad / max(seen, 1)
     metrics["n_taps"] = float(len(order))
     metrics["n_tokens"] = float(win.inputs.numel())
     for site, (s, u, n) in sorted(sat.items()):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,45 @@ import torch
 
 from evalharness import stats
 from evalharness.evals import EvalContext
-from evalharness.evals.tokenstats import compare, reference_summary, select
+from evalharness.evals.tokenstats import TOPK_FIELDS, compare, reference_summary, select
 
 _CACHE_LIMIT_BYTES = 512 * 2**20
 POSITION_BUCKETS = 4  # metrics ppl_kld.pos{lo}_{hi}.* over equal slices of the window
 DEFAULT_TOPK = 64  # top-k reference cache size when the full logits would not fit in memory
+# Metrics that depend on the engine's outputs: all NaN when any scored token's engine distribution is NaN/Inf.
+ENGINE_STATS = ("ppl_eng", "ppl_ratio", "nll_delta_mean", "kld_mean", "kld_p99", "kld_p999", "kld_max",
+                "kld_worst_window", "top1_agree", "delta_p_mean", "delta_p_rms")
+
+
+def _read_cache_entry(path: Path, key_src: str, n: int, seq: int, k: int, vocab: int) -> dict[str, torch.Tensor] | None:
+    """A reference cache entry if it is the one asked for and intact, else None (then it is recomputed): the file
+    must parse, name this key in its metadata, and hold the top-k fields with this window set's shapes, ids inside
+    the vocabulary and finite log-probs. A corrupt or foreign entry is never trusted."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("key") != key_src or set(f.keys()) != set(TOPK_FIELDS):
+                return None
+            rec = {name: f.get_tensor(name) for name in TOPK_FIELDS}
+    except Exception:  # safetensors raises several types for a damaged file; all mean "recompute"
+        return None
+    shapes = {"idx": (n, seq, k), "lp": (n, seq, k), "log_tail": (n, seq), "tgt": (n, seq)}
+    if any(tuple(rec[name].shape) != shape for name, shape in shapes.items()):
+        return None
+    if rec["idx"].dtype != torch.int64 or not bool(((rec["idx"] >= 0) & (rec["idx"] < vocab)).all()):
+        return None
+    if not all(rec[name].dtype == torch.float64 and bool(torch.isfinite(rec[name]).all())
+               for name in ("lp", "log_tail", "tgt")):
+        return None
+    return rec
 
 
 def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
-    """Top-k reference records for all windows (CPU): from the on-disk cache when present, else computed once (on
-    the reference's device) and saved."""
-    from safetensors.torch import load_file, save_file
+    """Top-k reference records for all windows (CPU): from the on-disk cache when present and intact
+    (`_read_cache_entry`), else computed once (on the reference's device) and saved; a rejected entry is counted
+    in the result's counters (`reference_cache_rejected`) and replaced."""
+    from safetensors.torch import save_file
 
     key_src = f"{ctx.model_sha}|{win.sha256}|topk{k}|{getattr(ctx.reference, 'precision', 'fp32')}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
@@ -47,18 +76,19 @@ def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
 
     def compute() -> dict[str, torch.Tensor]:
         if path is not None and path.exists():
-            try:
+            rec = _read_cache_entry(path, key_src, win.n, int(win.inputs.shape[1]), k, ctx.vocab_size)
+            if rec is not None:
                 ctx.counters["reference_disk_hits"] = ctx.counters.get("reference_disk_hits", 0) + 1
-                return load_file(str(path))
-            except Exception:  # a corrupt cache file is recomputed, never trusted
-                path.unlink(missing_ok=True)
+                return rec
+            ctx.counters["reference_cache_rejected"] = ctx.counters.get("reference_cache_rejected", 0) + 1
+            path.unlink(missing_ok=True)
         ctx.counters["reference_passes_topk"] = ctx.counters.get("reference_passes_topk", 0) + 1
         parts = [{n: t.cpu() for n, t in reference_summary(ctx.reference.logits(x), y, k).items()}
                  for _, x, y in win.batches(ctx.batch_size)]
         rec = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             save_file(rec, str(tmp), metadata={"key": key_src})
             tmp.replace(path)
         return rec
@@ -106,9 +136,18 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     if "tail" in tok:
         metrics["ref_tail_mass_mean"] = float(tok["tail"][keep].mean())
     samples: dict[str, list] = {}
-    if kld_t.numel() == 0:
-        for name in ("ppl_ref", "ppl_eng", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "top1_agree"):
+    if nonfinite or kld_t.numel() == 0:
+        # NaN/Inf engine outputs: every engine statistic is NaN, never a number over the finite tokens alone (a
+        # gate rule on any of them then FAILs); the reference's perplexity and where the NaNs were are kept
+        for name in ENGINE_STATS:
             metrics[name] = math.nan
+        if total:
+            pr = stats.ppl_ci((-lr_t[mask]).tolist(), clusters=win_ids[mask].tolist())
+            metrics.update({"ppl_ref": pr["ppl"], "ppl_ref_lo": pr["lo"], "ppl_ref_hi": pr["hi"]})
+        else:
+            metrics["ppl_ref"] = math.nan
+        bad_w = (mask & ~tok["finite"]).sum(1).double() / mask.sum(1).clamp_min(1)
+        samples["window_nonfinite_frac"] = bad_w.tolist()
         return metrics, samples
     clusters = cl.tolist()
     pr = stats.ppl_ci(nll_r_t.tolist(), clusters=clusters)

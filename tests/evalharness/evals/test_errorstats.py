@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from evalharness.evals.errorstats import BIN_RATIO, ErrorAccumulator, fold_reference
+from evalharness.evals.errorstats import BIN_RATIO, ERROR_STATS, ErrorAccumulator, fold_reference
 
 
 def _pair(n: int, seed: int, rel: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +65,9 @@ def test_quantiles_within_one_bin_above_the_exact_order_statistic(seed, rel):
     assert res["p50_abs"] < res["p99_abs"] < res["p999_abs"] <= res["max_abs"] * BIN_RATIO
 
 
-def test_nonfinite_engine_entries_count_as_no_error():
-    """inf / NaN engine entries: reported as nonfinite_frac; every other statistic as if they were absent."""
+def test_nonfinite_engine_entries_make_the_error_statistics_nan():
+    """inf / NaN engine entries: reported as nonfinite_frac, and every error statistic is NaN (never "exact");
+    `finite_result` gives the statistics over the finite entries as if the others were absent."""
     e, r = _pair(10_000, seed=6)
     bad = torch.zeros(10_000, dtype=torch.bool)
     bad[::97] = True
@@ -75,7 +76,10 @@ def test_nonfinite_engine_entries_count_as_no_error():
     with_bad, clean = ErrorAccumulator(), ErrorAccumulator()
     with_bad.update(e_bad, r)
     clean.update(e[~bad], r[~bad])
-    a, b = with_bad.result(), clean.result()
+    nan = with_bad.result()
+    assert nan["nonfinite_frac"] == pytest.approx(int(bad.sum()) / 10_000)
+    assert all(math.isnan(nan[k]) for k in ERROR_STATS) and nan["ref_amax"] == clean.result()["ref_amax"]
+    a, b = with_bad.finite_result(), clean.result()
     assert a.pop("nonfinite_frac") == pytest.approx(int(bad.sum()) / 10_000) and b.pop("nonfinite_frac") == 0.0
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-12), k
