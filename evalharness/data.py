@@ -16,9 +16,12 @@ A corpus reference is one of:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import io
 import json
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -26,6 +29,9 @@ from evalharness.errors import DataError
 from evalharness.provenance import sha256_tensor
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
+READ_BYTES = 1 << 20  # a text corpus is read this many bytes at a time
+ENCODE_CHARS = 8192  # lines are gathered into chunks of at least this many characters, each encoded on its own
+MAX_LINE = 1 << 16  # a longer line is split (after a space) into parts of at most this many characters
 
 
 def builtin_path(name: str) -> Path:
@@ -53,8 +59,9 @@ def _read_token_file(path: Path, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _hf_text(ref: str) -> str:
-    """The text of an ``hf:NAME[:CONFIG]:SPLIT[#FIELD]`` corpus (see the module docstring)."""
+def _hf_text(ref: str) -> Iterator[str]:
+    """The text of an ``hf:NAME[:CONFIG]:SPLIT[#FIELD]`` corpus (see the module docstring), record by record: the
+    records' FIELD joined by blank lines, streamed (a large split is never one string)."""
     spec, _, field = ref.removeprefix("hf:").partition("#")
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(parts):
@@ -73,11 +80,81 @@ def _hf_text(ref: str) -> str:
     field = field or "text"
     if field not in ds.column_names:
         raise DataError(f"corpus '{ref}': no field '{field}' (fields: {ds.column_names}); add #FIELD to the reference")
-    return "\n\n".join(str(t) for t in ds[field] if t)
+    first = True
+    for batch in ds.iter(batch_size=256):
+        for t in batch[field]:
+            if t:
+                if not first:
+                    yield "\n\n"
+                first = False
+                yield str(t)
+
+
+def _file_text(path: Path) -> Iterator[str]:
+    """The text of a corpus file, READ_BYTES at a time, decoded as strict UTF-8 with universal newlines (as
+    `open(path).read()`): a file that is not UTF-8 text (a binary file, another encoding) is a DataError naming the
+    byte offset, not a stream of replacement characters."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(errors="strict"), translate=True)
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(READ_BYTES)
+                nul = data.find(b"\0")
+                if nul >= 0:
+                    raise DataError(f"corpus {path}: binary file (a NUL byte at offset {offset + nul}); a text corpus "
+                                    "is UTF-8 text: give a text file, a token JSON or hf:NAME:SPLIT")
+                try:
+                    text = decoder.decode(data, final=not data)
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"corpus {path}: not UTF-8 text (byte {data[exc.start]:#04x} near offset "
+                                    f"{offset + exc.start}: {exc.reason}); convert it to UTF-8 (e.g. iconv -t UTF-8) "
+                                    "or give a token JSON") from None
+                if text:
+                    yield text
+                if not data:
+                    return
+                offset += len(data)
+    except OSError as exc:
+        raise DataError(f"cannot read corpus {path}: {exc.strerror}") from None
+
+
+def _cut(line: str, limit: int) -> int:
+    """Where to split an over-long line: after its last space in (limit / 2, limit], else at `limit`."""
+    at = line.rfind(" ", limit // 2, limit)
+    return at + 1 if at >= 0 else limit
+
+
+def _lines(pieces: Iterable[str], limit: int = MAX_LINE) -> Iterator[str]:
+    """The lines (with their ends, as `str.splitlines(keepends=True)` gives them) of the concatenated `pieces`,
+    without ever holding more than one piece and one line; a line longer than `limit` characters comes in parts
+    (split after a space where there is one)."""
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        lines = buf.splitlines(keepends=True)
+        buf = lines.pop() if lines else ""  # may still grow (or end in "\r" of a "\r\n")
+        while len(buf) > limit:
+            cut = _cut(buf, limit)
+            lines.append(buf[:cut])
+            buf = buf[cut:]
+        for line in lines:
+            while len(line) > limit:
+                cut = _cut(line, limit)
+                yield line[:cut]
+                line = line[cut:]
+            yield line
+    if buf:
+        yield buf
 
 
 def load_corpus_tokens(ref: str, tokenizer, vocab_size: int, max_tokens: int) -> list[int]:
-    """Token ids of a corpus, at most `max_tokens` of them (text is tokenized lazily, chunk by chunk)."""
+    """Token ids of a corpus, at most `max_tokens` of them.
+
+    Text is read and tokenized as a stream and only as far as needed: lines are gathered into chunks of at least
+    ENCODE_CHARS characters, each chunk encoded on its own, and reading stops once `max_tokens` ids exist, so the
+    memory used does not grow with the corpus (a 50 MB file for two windows reads a few chunks). The tokens of a
+    shorter read are a prefix of a longer one's. Token JSON files are read whole."""
     if ref.startswith("builtin:"):
         return _read_token_file(builtin_path(ref.removeprefix("builtin:")) / "corpus.json", vocab_size)[:max_tokens]
     if ref.startswith("hf:"):
@@ -91,24 +168,27 @@ def load_corpus_tokens(ref: str, tokenizer, vocab_size: int, max_tokens: int) ->
             raise DataError(f"corpus not found: {path} (check --data-dir and the suite's corpus path)")
         if path.suffix == ".json":
             return _read_token_file(path, vocab_size)[:max_tokens]
+        if not path.is_file():
+            raise DataError(f"corpus {path} is not a file; give a text file, a token JSON or hf:NAME:SPLIT")
         if tokenizer is None:
             raise DataError(f"{path}: a text corpus needs a tokenizer, and the model has none; set 'tokenizer' in "
                             "the suite")
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise DataError(f"cannot read corpus {path}: {exc.strerror}") from None
+        text = _file_text(path)
     tokens: list[int] = []
     chunk: list[str] = []
     size = 0
-    for line in text.splitlines(keepends=True):
-        chunk.append(line)
-        size += len(line)
-        if size >= 8192:
-            tokens.extend(tokenizer.encode("".join(chunk), bos=False, eos=False))
-            chunk, size = [], 0
-            if len(tokens) >= max_tokens:
-                break
+    lines = _lines(text)
+    try:
+        for line in lines:
+            chunk.append(line)
+            size += len(line)
+            if size >= ENCODE_CHARS:
+                tokens.extend(tokenizer.encode("".join(chunk), bos=False, eos=False))
+                chunk, size = [], 0
+                if len(tokens) >= max_tokens:
+                    break
+    finally:
+        lines.close()  # closes the file when reading stopped early
     if chunk and len(tokens) < max_tokens:
         tokens.extend(tokenizer.encode("".join(chunk), bos=False, eos=False))
     if not tokens:
@@ -117,6 +197,15 @@ def load_corpus_tokens(ref: str, tokenizer, vocab_size: int, max_tokens: int) ->
     if bad:
         raise DataError(f"corpus {path}: tokenizer produced id {bad[0]} outside the model's vocab ({vocab_size})")
     return tokens[:max_tokens]
+
+
+def tokens_needed(seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int, bos: bool) -> int:
+    """How many corpus tokens `make_windows` can use for these settings: enough for `max_windows` windows (capped by
+    `max_tokens`), or `max_tokens` when the number of windows is not limited."""
+    if max_windows is None:
+        return max_tokens
+    body = seq_len - (1 if bos else 0)
+    return min(max_tokens, (max_windows - 1) * (stride or body) + body + 1)
 
 
 @dataclasses.dataclass

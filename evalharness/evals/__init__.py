@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from evalharness.data import Windows, load_corpus_tokens, make_windows
+from evalharness.data import Windows, load_corpus_tokens, make_windows, tokens_needed
 
 # name -> {setting: (type, default)}; the suite validator uses this table.
 EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
@@ -95,12 +95,15 @@ class EvalContext:
 
     def windows(self, seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int,
                 bos: bool) -> Windows:
-        """Token windows of the corpus (tokenized once per model, cached)."""
-        key = ("tokens", self.corpus, max_tokens)
-        if key not in self.cache:
-            self.cache[key] = load_corpus_tokens(self.corpus, self.tokenizer, self.vocab_size, max_tokens)
+        """Token windows of the corpus. The corpus is tokenized only as far as these windows need
+        (`tokens_needed`), once per model: a later call that needs more reads further."""
+        need = tokens_needed(seq_len, stride, max_windows, max_tokens, bos and self.bos_id is not None)
+        key = ("tokens", self.corpus)
+        have = self.cache.get(key)  # (tokens, how many were asked for)
+        if have is None or (have[1] < need and len(have[0]) >= have[1]):  # more exist than were read
+            have = self.cache[key] = (load_corpus_tokens(self.corpus, self.tokenizer, self.vocab_size, need), need)
         bos_id = self.bos_id if bos else None
-        win = make_windows(self.cache[key], seq_len, stride, max_windows, bos_id)
+        win = make_windows(have[0][:need], seq_len, stride, max_windows, bos_id)
         self.data_hashes[f"{self.corpus}|seq{seq_len}|stride{stride}|n{win.n}|bos{bos_id}"] = win.sha256
         return win
 
