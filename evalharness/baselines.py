@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from evalharness.errors import ResultError
 from evalharness.gate import baseline_path, hardware_class
 from evalharness.provenance import now_iso
 from evalharness.results import iter_results, load_result, write_json_atomic
@@ -40,14 +41,32 @@ def _diff(old: dict[str, Any] | None, new: dict[str, Any], limit: int = 12) -> l
     return lines
 
 
+def nonfinite_metrics(doc: dict[str, Any]) -> list[str]:
+    """The metrics a result stores as null: NaN/Inf values."""
+    return sorted(k for k, v in (doc.get("metrics") or {}).items() if v is None)
+
+
 def update_baselines(results_dir: str | Path, baselines_dir: str | Path, dry_run: bool = False,
-                     log: Callable[[str], None] = print) -> list[Path]:
-    """Promote every successful result in `results_dir` to a baseline; prints the diff first."""
+                     log: Callable[[str], None] = print, force: bool = False) -> list[Path]:
+    """Promote every successful result in `results_dir` to a baseline; prints the diff first.
+
+    A result with non-finite (NaN/Inf) metrics is refused unless `force`: a ResultError lists them, and nothing is
+    written (every later run would be compared with nothing on those metrics)."""
     results_dir = Path(results_dir)
     manifest = results_dir / "suite.json"
     suite_name = json.loads(manifest.read_text()).get("name") if manifest.exists() else None
+    results = list(iter_results(results_dir))
+    bad = [(doc["run_key"], nonfinite_metrics(doc)) for _, doc in results if doc["status"] == "ok"]
+    bad = [(key, names) for key, names in bad if names]
+    if bad and not force:
+        listing = "; ".join(f"{key}: {len(names)} metric(s), e.g. {', '.join(names[:3])}" for key, names in bad)
+        raise ResultError(f"{results_dir}: refusing to promote result(s) with non-finite (NaN/Inf) metrics "
+                          f"({listing}); a baseline must hold numbers: fix the run (its outputs were NaN/Inf), or "
+                          "pass --force to promote them anyway; nothing was written")
+    for key, names in bad:
+        log(f"warning: {key} has {len(names)} non-finite metric(s) ({', '.join(names[:3])}); promoted (--force)")
     written = []
-    for path, doc in iter_results(results_dir):
+    for path, doc in results:
         if doc["status"] != "ok":
             log(f"skip {doc['run_key']}: status {doc['status']} (a failed run cannot be a baseline)")
             continue

@@ -13,7 +13,10 @@
 
 Exit codes: 0 success / gate pass, 1 regression (gate FAIL) or a run that
 crashed, 2 bad input (malformed suite, missing checkpoint or data, corrupt
-or other-schema baseline, missing baseline).
+or other-schema baseline, a missing baseline or one of another run, a
+results folder another process writes to, a disk that cannot take the
+results), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): both keep
+every finished result and close the mlflow runs.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     bu.add_argument("results")
     bu.add_argument("--baselines", default=str(DEFAULT_BASELINES))
     bu.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    bu.add_argument("--force", action="store_true",
+                    help="also promote results with non-finite (NaN/Inf) metrics (refused otherwise)")
 
     for name, helptext in (("sensitivity", "rank sites / layers / module kinds by their effect on KLD (one at a time)"),
                            ("bisect", "smallest set of units whose fallback to a good recipe fixes a failing one")):
@@ -194,9 +199,9 @@ def _cmd_run(args) -> int:
             from evalharness.progress import ProgressLog
 
             outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=ProgressLog())
-        except BaseException:
+        except BaseException as exc:  # Ctrl-C / SIGTERM: KILLED; anything else (a full disk): FAILED
             if tracker is not None:
-                tracker.close("KILLED")
+                tracker.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             raise
     finally:
         distributed.shutdown()
@@ -221,18 +226,25 @@ def _cmd_gate(args) -> int:
     if args.suite:
         import yaml
 
-        gate_cfg = (yaml.safe_load(Path(args.suite).read_text()) or {}).get("gate", {})
+        try:
+            raw = yaml.safe_load(Path(args.suite).read_text()) or {}
+        except yaml.YAMLError as exc:
+            from evalharness.suite import _yaml_error
+
+            raise _yaml_error(Path(args.suite), exc) from None
+        gate_cfg = raw.get("gate", {}) if isinstance(raw, dict) else None
     verdicts, missing = gate_results(args.results, args.baselines, gate_cfg, allow_missing=args.allow_missing,
                                      where=args.suite)
     code = exit_code(verdicts, missing)
     print(verdict_table(verdicts, show_pass=args.verbose))
     for m in missing:
-        print(f"MISSING  {m}")
+        print(f"BASELINE  {m}")
     if args.junit:
         write_junit(args.junit, verdicts, missing)
     if args.summary:
         write_summary(args.summary, verdicts, missing, code)
-    print({0: "gate: PASS", 1: "gate: FAIL (regression)", 2: "gate: ERROR (missing baselines)"}[code])
+    print({0: "gate: PASS", 1: "gate: FAIL (regression)",
+           2: "gate: ERROR (missing or mismatched baselines)"}[code])
     return code
 
 
@@ -240,7 +252,7 @@ def _cmd_baseline(args) -> int:
     """`baseline update`."""
     from evalharness.baselines import update_baselines
 
-    written = update_baselines(args.results, args.baselines, dry_run=args.dry_run)
+    written = update_baselines(args.results, args.baselines, dry_run=args.dry_run, force=args.force)
     print(f"{len(written)} baseline file(s) written" if not args.dry_run else "dry run: nothing written")
     return 0
 
@@ -309,9 +321,16 @@ def _cmd_log(args) -> int:
     """`log`: (re-)log every result of a results dir to mlflow; 0 ok, 1 tracking failed, 2 bad input."""
     from evalharness.tracking import Tracker, TrackingError
 
+    from evalharness.errors import ResultError
+    from evalharness.lock import results_lock
+
+    if not Path(args.results).is_dir():
+        raise ResultError(f"results directory not found: {args.results} (run `evalharness run SUITE --out "
+                          f"{args.results}` first)")
     tracker = Tracker(args.results, args.tracking_uri, args.experiment)
     try:
-        logged = tracker.log_dir(force=args.force)
+        with results_lock(args.results):  # not while a run writes into the same folder (and its mlflow store)
+            logged = tracker.log_dir(force=args.force)
     except TrackingError as exc:
         print(f"error: mlflow logging failed: {exc}", file=sys.stderr)
         return 1
@@ -341,14 +360,42 @@ def main(argv: list[str] | None = None) -> int:
                 "sensitivity": _cmd_analysis, "bisect": _cmd_analysis}
     handlers["log"] = _cmd_log
     handlers.update({"selftest": _cmd_selftest, "report": _cmd_report, "trend": _cmd_trend})
+    restore = _handle_sigterm()
     try:
         return handlers[args.command](args)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated (SIGTERM): finished runs are saved and the mlflow runs closed; re-run with --resume to "
+              "continue", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted: finished runs are saved; re-run with --resume to continue", file=sys.stderr)
         return 130
+    finally:
+        restore()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI timeout, `kill`, a scheduler), raised where the program is, so that it ends as Ctrl-C does:
+    finished results kept, the temporary file of a result being written removed, mlflow runs closed."""
+
+
+def _handle_sigterm():
+    """Make SIGTERM raise `Terminated` until the returned function restores the previous handler. Off the main
+    thread (where Python cannot install signal handlers) nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ class ResultError(HarnessError):
     """A result or baseline file is corrupt or of another schema version."""
 
 
+class OutputError(HarnessError):
+    """A result cannot be written (disk full, read-only or missing permissions): nothing is half-written."""
+
+
+class BusyError(HarnessError):
+    """Another process is writing to the same results folder."""
+
+
 # Every exception type that means 'bad input' (exit code 2), harness and engine alike (the engine's checkpoint and
 # tokenizer errors are EngineErrors).
 BAD_INPUT: tuple[type[BaseException], ...] = (HarnessError, EngineError, FileNotFoundError)

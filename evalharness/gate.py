@@ -21,6 +21,11 @@ and their validation live in `evalharness.gate_rules`; in short::
         - metric: ppl_kld.nonfinite_frac
           max: 0                        # absolute limit, no baseline needed
 
+Each result is compared with a baseline of the same run measured the same
+way (`evalharness.fingerprint.baseline_mismatch`: run key, checkpoint,
+tokenizer, corpus, eval settings); another one is a baseline problem (exit 2),
+other sample counts a WARN on the run's `baseline` line.
+
 Verdicts: PASS, WARN (beyond tolerance but not significant, or a warn-only
 rule), FAIL (beyond tolerance and significant, non-inferiority / equivalence
 not shown, an absolute limit broken, a non-finite value, or the run itself
@@ -84,6 +89,9 @@ class Verdict:
         def f(x):
             """6 significant digits, 'n/a' for None."""
             return "n/a" if x is None else f"{x:.6g}"
+
+        if self.mode in ("status", "baseline"):  # about the run or its baseline, not a metric: the message says it
+            return self.message
 
         parts = [f"value={f(self.value)}", f"baseline={f(self.baseline)}", f"delta={f(self.delta)}",
                  f"threshold={f(self.threshold)}"]
@@ -284,7 +292,13 @@ def hardware_class(doc: dict[str, Any]) -> str | None:
 def baseline_path(baselines_dir: str | Path, suite_name: str, key: str, hw: str | None = None) -> Path:
     """Where the baseline of `key` lives.
 
-    CPU runs (bit-exact emulation, the same numbers on any x86 CPU): baselines/<suite>/<run_key>.json.
+    CPU runs: baselines/<suite>/<run_key>.json, one baseline for every CPU. The emulated formats are bit-exact,
+    but the fp32 arithmetic around them (the reference's GEMMs, the engine's fp32 ops) runs on the CPU's own
+    math library, whose kernels differ between CPU models (vector width, blocking, accumulation order): a
+    baseline written on an AMD EPYC differs from an Intel Xeon's in the last bits of fp32, which reaches the
+    metrics as small relative differences. The rules' tolerances absorb them (the smoke suite's committed
+    baselines, from an AMD EPYC, pass on an Intel Xeon with advisory WARNs only); the result's provenance names
+    the CPU it ran on.
     GPU runs are keyed by hardware class as well, because kernels and accumulation order differ
     between GPUs: baselines/<suite>/<hardware_class>/<run_key>.json (e.g. .../h200/...).
     """
@@ -306,28 +320,67 @@ def missing_baseline_message(baselines_dir: str | Path, suite_name: str, key: st
     return f"{key}: no baseline at {bpath} (create it with `evalharness baseline update {results_dir}`)"
 
 
+def _manifest(results_dir: Path, have_rules: bool) -> dict[str, Any]:
+    """The results folder's suite.json (its suite name and gate rules); without it the rules must come from
+    elsewhere (`--suite`): a folder without suite.json is an error, never silently gated by the default rules."""
+    path = results_dir / "suite.json"
+    if not path.exists():
+        if have_rules or not results_dir.is_dir():
+            return {}
+        raise ResultError(f"{path} is missing, so the suite's gate rules are unknown: gate a folder written by "
+                          "`evalharness run`, or give the rules with --suite SUITE.yaml")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultError(f"{path}: corrupt JSON ({exc}); re-run the suite, or give the rules with --suite") from None
+    if not isinstance(manifest, dict):
+        raise ResultError(f"{path}: expected a JSON object (the suite's manifest); re-run the suite")
+    return manifest
+
+
+def _baseline_for(doc: dict[str, Any], bpath: Path, results_dir: Path) -> tuple[dict | None, str | None,
+                                                                              Verdict | None]:
+    """(baseline, problem, warning) for one result: the baseline when it is one of this run measured like it
+    (`evalharness.fingerprint.baseline_mismatch`), else None and the problem; a WARN verdict when only the sample
+    counts differ."""
+    from evalharness.fingerprint import baseline_mismatch
+
+    base = load_result(bpath)
+    errors, warnings = baseline_mismatch(doc, base)
+    key = doc["run_key"]
+    if errors:
+        return None, (f"{key}: baseline {bpath} does not match this result ({'; '.join(errors)}): it measured "
+                      "something else; gate against the baseline of this run, or promote this run with "
+                      f"`evalharness baseline update {results_dir}`"), None
+    warn = None
+    if warnings:
+        warn = Verdict(key, "baseline", "WARN", mode="baseline", message="; ".join(warnings) + f" ({bpath})")
+    return base, None, warn
+
+
 def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: dict[str, Any] | None = None,
                  allow_missing: bool = False, where: str | None = None) -> tuple[list[Verdict], list[str]]:
-    """All verdicts for the results in `results_dir`; returns (verdicts, missing-baseline messages).
+    """All verdicts for the results in `results_dir`; returns (verdicts, baseline problems).
 
     `gate_cfg` (a suite's `gate:` section) overrides the rules recorded in the
-    results' suite.json; `where` names its file in validation errors.
+    results' suite.json (which must exist otherwise); `where` names its file in
+    validation errors. A baseline problem is a run without a baseline (dropped
+    with `allow_missing`) or with one that measured something else: another
+    run key, checkpoint, tokenizer, corpus or eval settings
+    (`evalharness.fingerprint.baseline_mismatch`); such a run is gated as if it
+    had no baseline, and the problems make the exit code 2.
     """
     results_dir = Path(results_dir)
     manifest_path = results_dir / "suite.json"
-    suite_name = None
-    if manifest_path.exists():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ResultError(f"{manifest_path}: corrupt JSON ({exc}); re-run the suite") from None
-        suite_name = manifest.get("name")
-        if gate_cfg is None:
-            gate_cfg = manifest.get("gate")
-            where = where or str(manifest_path)
+    manifest = _manifest(results_dir, have_rules=gate_cfg is not None)
+    suite_name = manifest.get("name")
+    if gate_cfg is None:
+        gate_cfg = manifest.get("gate")
+        where = where or str(manifest_path)
     cfg = validate_rules(gate_cfg, where or str(manifest_path if manifest_path.exists() else results_dir))
     verdicts: list[Verdict] = []
     missing: list[str] = []
+    mismatched: list[str] = []
     docs = [doc for _, doc in iter_results(results_dir)]
     if not docs:
         raise ResultError(f"{results_dir}: no result files to gate (run `evalharness run SUITE --out {results_dir}`)")
@@ -336,8 +389,14 @@ def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: d
         sname = suite_name or (doc.get("suite") or {}).get("name", "default")
         hw = hardware_class(doc)
         bpath = baseline_path(baselines_dir, sname, key, hw)
-        base = load_result(bpath) if bpath.exists() else None
-        if base is None:
+        base = None
+        if bpath.exists():
+            base, problem, warn = _baseline_for(doc, bpath, results_dir)
+            if problem:
+                mismatched.append(problem)
+            if warn is not None:
+                verdicts.append(warn)
+        else:
             missing.append(missing_baseline_message(baselines_dir, sname, key, hw, results_dir))
         if doc["status"] != "ok":
             err = doc.get("error") or {}
@@ -355,7 +414,7 @@ def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: d
     _correct(verdicts, cfg)
     if missing and allow_missing:
         missing = []
-    return verdicts, missing
+    return verdicts, missing + mismatched
 
 
 def _correct(verdicts: list[Verdict], cfg: dict[str, Any]) -> None:
@@ -382,7 +441,7 @@ def _correct(verdicts: list[Verdict], cfg: dict[str, Any]) -> None:
 
 
 def exit_code(verdicts: list[Verdict], missing: list[str]) -> int:
-    """0 all pass (WARN allowed), 1 any FAIL, 2 missing baselines (bad input)."""
+    """0 all pass (WARN allowed), 1 any FAIL, 2 baseline problems (missing or mismatched: bad input)."""
     if any(v.verdict == "FAIL" for v in verdicts):
         return 1
     if missing:

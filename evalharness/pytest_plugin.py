@@ -353,7 +353,8 @@ def assert_gate_passes(results_dir: Any, *, baselines: str | Path | None = None,
     """Gate a results folder (or `numerics_results`) against the baselines; fail with the evidence lines.
 
     Rules come from the results' suite.json unless `gate_cfg` (a suite's `gate:`
-    section) is given. Missing baselines fail unless `allow_missing`. Under
+    section) is given. Missing baselines fail unless `allow_missing`; a baseline of another
+    run or measured otherwise (other eval settings, checkpoint, corpus) always fails. Under
     `--numerics-update-baselines` the session wrote baselines instead: passes.
     Returns the verdicts.
     """
@@ -371,9 +372,10 @@ def assert_gate_passes(results_dir: Any, *, baselines: str | Path | None = None,
     if code != 0:
         bad = [_line(v) for v in verdicts if v.verdict == "FAIL"]
         counts = {k: sum(v.verdict == k for v in verdicts) for k in ("PASS", "WARN", "FAIL")}
-        head = (f"numerics gate {'FAIL (regression)' if code == 1 else 'ERROR (missing baselines)'}: "
+        outcome = "FAIL (regression)" if code == 1 else "ERROR (missing or mismatched baselines)"
+        head = (f"numerics gate {outcome}: "
                 f"{counts['PASS']} PASS, {counts['WARN']} WARN, {counts['FAIL']} FAIL against {bdir}")
-        msg = [head] + bad + [f"MISSING  {m}" for m in missing]
+        msg = [head] + bad + [f"BASELINE  {m}" for m in missing]
         if missing:
             msg.append("create baselines with `pytest -m numerics --numerics-update-baselines`")
         pytest.fail("\n".join(msg), pytrace=False)

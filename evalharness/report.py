@@ -30,14 +30,28 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def nonfinite_frac(doc: dict[str, Any]) -> float:
+    """The largest share of NaN/Inf outputs a result reports (`<eval>.nonfinite_frac`, per tap included); 0 when
+    none."""
+    return max((float(v) for k, v in (doc.get("metrics") or {}).items()
+                if k.endswith("nonfinite_frac") and isinstance(v, (int, float))), default=0.0)
+
+
 def results_table(docs: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width table of the key metrics of each result."""
-    header = ["run_key", "status"] + [h for h, _ in SUMMARY_METRICS] + ["time_s"]
+    """A fixed-width table of the key metrics of each result. When a run had NaN/Inf outputs a `nonfinite`
+    column gives their largest share, and such a run's status reads `ok (NaN/Inf)`: its metrics are NaN."""
+    docs = list(docs)
+    shares = [nonfinite_frac(d) for d in docs]
+    extra = ["nonfinite"] if any(shares) else []
+    header = ["run_key", "status"] + [h for h, _ in SUMMARY_METRICS] + extra + ["time_s"]
     rows = [header]
-    for d in docs:
+    for d, share in zip(docs, shares):
         m = d.get("metrics", {})
-        rows.append([d["run_key"], d["status"]] + [_fmt(m.get(k)) if k in m else "-" for _, k in SUMMARY_METRICS]
-                    + [_fmt((d.get("timing") or {}).get("total_s"))])
+        status = f"{d['status']} (NaN/Inf)" if share and d["status"] == "ok" else d["status"]
+        rows.append([d["run_key"], status] + [_fmt(m.get(k)) if k in m else "-" for _, k in SUMMARY_METRICS]
+                    + ([_fmt(float(share))] if extra else [])
+                    + [_fmt((d.get("timing") or {}).get("total_s")) if (d.get("timing") or {}).get("total_s")
+                       is not None else "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -61,7 +75,7 @@ def verdict_table(verdicts: list[Verdict], show_pass: bool = False) -> str:
 def write_summary(path: str | Path, verdicts: list[Verdict], missing: list[str], code: int) -> Path:
     """Markdown summary (for a CI step summary): outcome, failures with evidence, then all verdicts per run."""
     path = Path(path)
-    status = {0: "PASS", 1: "FAIL (regression)", 2: "ERROR (bad input / missing baseline)"}[code]
+    status = {0: "PASS", 1: "FAIL (regression)", 2: "ERROR (bad input / missing or mismatched baseline)"}[code]
     out = [f"# Numerics gate: {status}", ""]
     counts = defaultdict(int)
     for v in verdicts:
@@ -75,7 +89,7 @@ def write_summary(path: str | Path, verdicts: list[Verdict], missing: list[str],
                 "not significant after correction (shown as WARN).", ""]
     bad = [v for v in verdicts if v.verdict != "PASS"]
     if missing:
-        out += ["## Missing baselines", ""] + [f"- {m}" for m in missing] + [""]
+        out += ["## Baseline problems", ""] + [f"- {m}" for m in missing] + [""]
     if bad:
         out += ["## Failures and warnings", "",
                 "| verdict | run | metric | value | baseline | delta | threshold | noise floor | CI | p | p adj | why |",
@@ -126,7 +140,8 @@ def write_junit(path: str | Path, verdicts: list[Verdict], missing: list[str]) -
                            errors=str(len(missing)))
         for m in missing:
             tc = ET.SubElement(ts, "testcase", classname="baselines", name=m.split(":")[0])
-            e = ET.SubElement(tc, "error", message="missing baseline", type="MissingBaseline")
+            kind = "missing" if ": no baseline" in m else "mismatched"
+            e = ET.SubElement(tc, "error", message=f"{kind} baseline", type=f"{kind.capitalize()}Baseline")
             e.text = m
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

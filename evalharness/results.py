@@ -2,7 +2,8 @@
 
 One file per run (model x recipe x serving x backend), named `<run_key>.json`,
 written atomically (temp file + fsync + rename) the moment the run finishes,
-so an interrupted suite loses nothing and `--resume` skips finished runs.
+so an interrupted suite loses nothing and `--resume` skips finished runs (those whose recorded
+`fingerprint` matches: `evalharness.fingerprint`).
 
 Schema (version 1)::
 
@@ -13,8 +14,9 @@ Schema (version 1)::
       "suite": {"name", "path", "sha256"},
       "spec": {"model", "recipe", "serving", "backend", "evals", "seed"},
       "provenance": {"git_sha", "created_at", "packages", "hardware", "model_sha256", "data_sha256", "seed"},
+      "fingerprint": {"sha256", "parts": {...}},   # what produced it (evalharness.fingerprint)
       "status": "ok" | "error",
-      "error": null | {"type", "message"},
+      "error": null | {"type", "message", "bad_input", "traceback"},
       "metrics": {"<eval>.<metric>": float|null, "<eval>.<tap>.<stat>": float|null, ...},
       "samples": {"<eval>": {"<array name>": [floats]}},   # per-sample data for paired tests
       "timing": {"total_s": float, "<eval>_s": float, "<eval>.<part>_s": float}
@@ -34,11 +36,11 @@ import json
 import math
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Iterator
 
-from evalharness.errors import ResultError
+from evalharness.errors import OutputError, ResultError
 
 SCHEMA_VERSION = 1
 _KEY_SAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
@@ -68,22 +70,41 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write `obj` as JSON to `path` atomically: a reader sees the old file or the new one, never half."""
+    """Write `obj` as JSON to `path` atomically: a reader sees the old file or the new one, never half.
+
+    The file gets the permissions the umask gives a new file (it is created with mode 0o666, which the kernel masks,
+    then renamed over `path`). A write that fails (disk full, read-only folder) leaves `path` as it was and raises
+    `OutputError` naming the file and the cause."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(_clean(obj), indent=1, sort_keys=False, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc} (errno {exc.errno}); nothing was half-written "
+                          f"and finished results are kept: free space on (or fix the permissions of) {path.parent} "
+                          "and run again (`run --resume` continues a suite)") from None
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def remove_stale_temp_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files (`.NAME.PID.RANDOM.tmp`) an interrupted writer left in `directory`; call it only
+    while holding the folder's lock (`evalharness.lock`), so that no live writer's file is removed."""
+    d = Path(directory)
+    stale = [p for p in d.glob(".*.tmp") if p.is_file()] if d.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def load_result(path: str | Path, kind: str | None = None) -> dict[str, Any]:
@@ -108,6 +129,11 @@ def load_result(path: str | Path, kind: str | None = None) -> dict[str, Any]:
             raise ResultError(f"{path}: required key '{key}' is missing; the file is not a result of this harness")
     if not isinstance(obj["metrics"], dict):
         raise ResultError(f"{path}: 'metrics' must be an object of name -> number")
+    for name, value in obj["metrics"].items():
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ResultError(f"{path}: metric '{name}' is {value!r} ({type(value).__name__}), not a number; result "
+                              "and baseline files hold numbers (null for NaN/Inf) only: re-run the suite (for a "
+                              "baseline: `evalharness baseline update RESULTS_DIR` from a fresh run)")
     if kind is not None and obj.get("kind", "result") != kind:
         raise ResultError(f"{path}: expected a {kind} file, found kind '{obj.get('kind')}'")
     return obj
@@ -122,12 +148,3 @@ def iter_results(results_dir: str | Path) -> Iterator[tuple[Path, dict[str, Any]
         if p.name in ("suite.json",) or p.name.startswith("."):
             continue
         yield p, load_result(p)
-
-
-def is_finished(path: Path) -> bool:
-    """True when `path` holds a valid, successful result (used by --resume; errored runs are retried)."""
-    try:
-        obj = load_result(path)
-    except ResultError:
-        return False
-    return obj.get("status") == "ok" and obj.get("kind", "result") == "result"

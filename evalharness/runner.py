@@ -10,6 +10,7 @@ engine, e.g. on the host when it does not fit on the GPU next to the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -24,12 +25,13 @@ from engine.api import Engine, ParallelConfig
 from engine.loading import LoadedModel, load_model
 from engine.model import Transformer
 from engine.serving import ServingConfig
-from evalharness import distributed, provenance
-from evalharness.data import builtin_path
-from evalharness.errors import BAD_INPUT
+from evalharness import distributed, fingerprint, provenance
+from evalharness.errors import BAD_INPUT, BusyError, SuiteError
 from evalharness.evals import EvalContext, run_eval
+from evalharness.fingerprint import Inputs, model_inputs, model_source, run_fingerprint
+from evalharness.lock import results_lock
 from evalharness.reference import ReferenceLM
-from evalharness.results import SCHEMA_VERSION, is_finished, write_json_atomic
+from evalharness.results import SCHEMA_VERSION, remove_stale_temp_files, write_json_atomic
 from evalharness.suite import RunSpec, Suite
 
 
@@ -79,12 +81,20 @@ def resolve_reference_device(setting: str, engine_device: str) -> str:
     return setting
 
 
-def _model_source(model: dict[str, Any]) -> str:
-    """The loader's source string for a suite model entry (`builtin:NAME` -> its folder)."""
-    path = model["path"]
-    if path.startswith("builtin:"):
-        return str(builtin_path(path.removeprefix("builtin:")))
-    return path
+def check_device(suite: Suite) -> None:
+    """A suite whose runs need a CUDA GPU fails up front, on a machine without one, with what to run instead: the
+    same suite on the cpu-emulated backend (`--device cpu`), or its CPU sibling suite when there is one."""
+    backends = sorted({r.backend for r in suite.runs if r.backend.startswith("cuda")})
+    if not backends or torch.cuda.is_available():
+        return
+    why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+           else f"torch {torch.__version__} sees no CUDA GPU")
+    twin = suite.path.with_name(suite.path.name.replace("-gpu", "")) if "-gpu" in suite.path.stem else None
+    instead = "`--device cpu` runs it on the cpu-emulated backend"
+    if twin is not None and twin.exists():
+        instead = f"the CPU suite is {twin}, or {instead}"
+    raise SuiteError(f"{suite.path}: suite '{suite.name}' runs on {', '.join(backends)} and needs a CUDA GPU, but "
+                     f"{why} on this machine. Run it on a GPU machine; on this one, {instead}")
 
 
 def _load_tokenizer(model: dict[str, Any], loaded: LoadedModel):
@@ -106,7 +116,7 @@ def _load_tokenizer(model: dict[str, Any], loaded: LoadedModel):
 
 def _result_doc(spec: RunSpec, suite: Suite, status: str, metrics: dict, samples: dict, timing: dict,
                 error: dict | None, model_sha: str | None, data_sha: dict, device: str,
-                counters: dict[str, int], reference_device: str | None = None) -> dict[str, Any]:
+                counters: dict[str, int], reference_device: str | None, inputs: Inputs) -> dict[str, Any]:
     """Assemble a result document (see evalharness.results for the schema)."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -114,6 +124,7 @@ def _result_doc(spec: RunSpec, suite: Suite, status: str, metrics: dict, samples
         "run_key": spec.key,
         "suite": {"name": suite.name, "path": str(suite.path), "sha256": suite.sha256},
         "spec": spec.to_dict(),
+        "fingerprint": run_fingerprint(spec, inputs, suite.reference_device),
         "provenance": {
             "git_sha": provenance.git_sha(), "created_at": provenance.now_iso(),
             "packages": provenance.package_versions(), "hardware": provenance.hardware_fingerprint(device),
@@ -144,36 +155,69 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
               on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
     """Run every RunSpec of `suite` into `out_dir`; never loses a finished result.
-    `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging).
-    Under torchrun the RunSpecs are spread over the ranks and rank 0 writes every file
-    (`evalharness.distributed`); a RunSpec needing more ranks than there are is a SuiteError."""
+
+    `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging). The folder is
+    locked for the call (`evalharness.lock`: a second writer gets a BusyError naming this one). With `resume`, a
+    run whose result file holds a successful result of the same fingerprint (`evalharness.fingerprint`) is skipped;
+    one whose inputs changed is run again, and the log says what changed. Under torchrun the RunSpecs are spread
+    over the ranks and rank 0 writes every file (`evalharness.distributed`); a RunSpec needing more ranks than
+    there are is a SuiteError. A suite that needs a GPU fails up front on a machine without one."""
     out = Path(out_dir)
+    check_device(suite)
     dp = distributed.current()
     distributed.check_world(suite.runs, dp.world if dp is not None else 1)
     if dp is not None:
         return _run_suite_parallel(suite, out, resume, log, on_result, dp)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "suite.json", suite.manifest())
-    for msg in suite.skipped:
-        log(f"skipped: {msg}")
-    outcomes: list[RunOutcome] = []
-    total = len(suite.runs)
-    done = 0
-    for _, group in groupby(suite.runs, key=lambda r: r.model["name"]):
-        runs = list(group)
-        pending = []
-        for spec in runs:
-            path = out / f"{spec.key}.json"
-            if resume and is_finished(path):
-                done += 1
-                log(f"[{done}/{total}] {spec.key}: already finished (resume), skipped")
-                outcomes.append(RunOutcome(spec.key, "skipped", path, {}))
-            else:
-                pending.append(spec)
-        if pending:
-            outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result))
-            done += len(pending)
+    with results_lock(out):
+        remove_stale_temp_files(out)
+        write_json_atomic(out / "suite.json", suite.manifest())
+        for msg in suite.skipped:
+            log(f"skipped: {msg}")
+        outcomes: list[RunOutcome] = []
+        total = len(suite.runs)
+        done = 0
+        skip, inputs = _resume_plan(suite, out, log) if resume else (set(), {})
+        for name, group in groupby(suite.runs, key=lambda r: r.model["name"]):
+            runs = list(group)
+            pending = []
+            for spec in runs:
+                if spec.key in skip:
+                    done += 1
+                    log(f"[{done}/{total}] {spec.key}: already finished (resume), skipped")
+                    outcomes.append(RunOutcome(spec.key, "skipped", out / f"{spec.key}.json", {}))
+                else:
+                    pending.append(spec)
+            if pending:
+                outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result,
+                                                 inputs=inputs.get(name)))
+                done += len(pending)
     return outcomes
+
+
+def _resume_plan(suite: Suite, out: Path, log: Callable[[str], None]) -> tuple[set[str], dict[str, Inputs]]:
+    """For `--resume`: the run keys to skip (their result is finished and of the same fingerprint), and the
+    content hashes of the models fingerprinted on the way (so that they are not hashed twice). Each run that must
+    run again is logged with the reason (its result errored, or what changed since it was written); a last line
+    counts them."""
+    skip: set[str] = set()
+    inputs: dict[str, Inputs] = {}
+    again = new = 0
+    for spec in suite.runs:
+        path = out / f"{spec.key}.json"
+        if not path.exists():
+            new += 1
+            continue
+        name = spec.model["name"]
+        if name not in inputs:
+            inputs[name] = model_inputs(spec.model)
+        done, why = fingerprint.resume_check(path, run_fingerprint(spec, inputs[name], suite.reference_device))
+        if done:
+            skip.add(spec.key)
+        else:
+            again += 1
+            log(f"resume: {spec.key}: {why}: running it again")
+    log(f"resume: {len(skip)} run(s) finished, {again} to run again, {new} not run yet")
+    return skip, inputs
 
 
 def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[str], None],
@@ -182,13 +226,31 @@ def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[st
     """`run_suite` over a torchrun world: each rank runs its share of the RunSpecs (`distributed.schedule`),
     rank 0 writes its results as they finish and the others' when they are gathered at the end."""
     lead = dp.rank == 0
+    with contextlib.ExitStack() as stack:
+        busy = None
+        if lead:  # rank 0 writes every file: it holds the folder's lock, and every rank stops when it cannot
+            try:
+                stack.enter_context(results_lock(out))
+            except BusyError as exc:
+                busy = str(exc)
+        busy = dp.broadcast(busy)
+        if busy:
+            raise BusyError(busy)
+        return _run_parallel_locked(suite, out, resume, log, on_result, dp)
+
+
+def _run_parallel_locked(suite: Suite, out: Path, resume: bool, log: Callable[[str], None],
+                         on_result: Callable[[Path, dict], None] | None,
+                         dp: distributed.DataParallel) -> list[RunOutcome]:
+    """The body of `_run_suite_parallel`, with rank 0 holding the results folder's lock."""
+    lead = dp.rank == 0
     if lead:
-        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(out)
         write_json_atomic(out / "suite.json", suite.manifest())
         for msg in suite.skipped:
             log(f"skipped: {msg}")
-    finished = set(dp.broadcast([i for i, s in enumerate(suite.runs) if resume and is_finished(out / f"{s.key}.json")]
-                                if lead else None))
+    skip = _resume_plan(suite, out, log)[0] if resume and lead else set()
+    finished = set(dp.broadcast([i for i, s in enumerate(suite.runs) if s.key in skip] if lead else None))
     pending = [i for i in range(len(suite.runs)) if i not in finished]
     placement = distributed.schedule([suite.runs[i] for i in pending], dp.world)
     dp.make_groups(placement)
@@ -238,12 +300,17 @@ def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[st
 
 def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: int, total: int,
                      on_result: Callable[[Path, dict], None] | None = None, sink=None, place=None,
-                     ref_cache: bool = True) -> list[RunOutcome]:
+                     ref_cache: bool = True, inputs: Inputs | None = None) -> list[RunOutcome]:
     """Load one model (and its reference) once, then run each of its RunSpecs.
+
+    Any failure while loading the model, its tokenizer or its reference becomes an error result for each of its
+    runs (bad input: `bad_input: true`, so that `run` exits 2; anything else with its traceback: exit 1), and the
+    suite goes on with the next model.
 
     `sink(spec, path, doc)` takes each result document (default: write it, then `on_result`);
     `place(spec)` gives the process group of a model-parallel RunSpec (default: none);
-    `ref_cache=False` keeps the reference cache off disk (non-zero ranks write nothing).
+    `ref_cache=False` keeps the reference cache off disk (non-zero ranks write nothing);
+    `inputs`: the model's content hashes when `--resume` computed them already.
     """
     if sink is None:
         def sink(spec: RunSpec, path: Path, doc: dict) -> None:
@@ -257,22 +324,31 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
     try:
         ref_device = resolve_reference_device(suite.reference_device, device)
         torch.manual_seed(runs[0].seed)
-        loaded = load_model(_model_source(model))
+        loaded = load_model(model_source(model))
         tokenizer = _load_tokenizer(model, loaded)
         if ref_device == device != "cpu":
             loaded.to(device)  # one device copy, shared by the reference and the engine's master weights
-        reference = ReferenceLM(loaded, device=ref_device)
+        # the engine's model first: it checks every tensor against the config (name, shape, finite values) and
+        # names the first bad one; the reference then shares the same tensors
         base_model = Transformer(loaded.cfg, loaded.weights, where=loaded.source).to(device)
-    except BAD_INPUT as exc:
+        reference = ReferenceLM(loaded, device=ref_device)
+    except Exception as exc:  # bad input (exit 2) or a crash (exit 1): an error result per run, the suite goes on
+        bad = isinstance(exc, BAD_INPUT)
         msg = f"model '{model['name']}': {exc}"
         log(f"error: {msg}")
-        for spec in runs:
+        error = {"type": type(exc).__name__, "message": msg, "bad_input": bad}
+        if not bad:
+            error["traceback"] = traceback.format_exc(limit=8)
+        inputs = inputs or model_inputs(model)
+        for i, spec in enumerate(runs):
             path = out / f"{spec.key}.json"
-            doc = _result_doc(spec, suite, "error", {}, {}, {}, {"type": type(exc).__name__, "message": msg},
-                              None, {}, device, {}, ref_device)
+            doc = _result_doc(spec, suite, "error", {}, {}, {}, error, None, {}, device, {}, ref_device, inputs)
             sink(spec, path, doc)
-            outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=True))
+            log(f"[{done + i + 1}/{total}] {spec.key}: ERROR {error['type']} (model '{model['name']}' did not load)")
+            outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=bad))
         return outcomes
+    if inputs is None or inputs.model != loaded.sha256:
+        inputs = model_inputs(model, model_sha=loaded.sha256, model_dir=loaded.directory)
     log(f"loaded model '{model['name']}' ({loaded.cfg.num_layers} layers, vocab {loaded.cfg.vocab_size}, "
         f"{loaded.weight_bytes / 2**20:.0f} MiB fp32) and its FP32 reference (on {ref_device}) "
         f"in {time.time() - t0:.1f}s")
@@ -330,7 +406,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         timing["total_s"] = round(time.time() - t_run, 3)
         engine = ctx = engine_for = None  # drop this recipe's prepared weights before the next one is built
         doc = _result_doc(spec, suite, status, metrics, samples, timing, error, loaded.sha256, data_sha, device,
-                          {**counters, **work}, ref_device)
+                          {**counters, **work}, ref_device, inputs)
         sink(spec, path, doc)
         n = done + i + 1
         if status == "ok":

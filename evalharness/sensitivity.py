@@ -209,8 +209,9 @@ def prepare_scorer(suite_path: str, sets: list[str], data_dir: str | None, model
     """Load one model of a suite, its reference log-probs on `windows` windows, and a `RecipeScorer`."""
     from engine.loading import load_model
     from evalharness.evals import EvalContext
+    from evalharness.fingerprint import model_source
     from evalharness.reference import ReferenceLM
-    from evalharness.runner import _load_tokenizer, _model_source, resolve_backend
+    from evalharness.runner import _load_tokenizer, resolve_backend
     from evalharness.suite import load_suite
 
     suite = load_suite(suite_path, sets=sets, data_dir=data_dir)
@@ -224,7 +225,7 @@ def prepare_scorer(suite_path: str, sets: list[str], data_dir: str | None, model
     spec = models[model_name]
     backend = resolve_backend(spec.backend, device)
     dev = "cuda" if backend.startswith("cuda") else "cpu"
-    loaded = load_model(_model_source(spec.model))
+    loaded = load_model(model_source(spec.model))
     tok = _load_tokenizer(spec.model, loaded)
     reference = ReferenceLM(loaded, device=dev)
     model = Transformer(loaded.cfg, loaded.weights).to(dev)

@@ -313,6 +313,7 @@ class Tracker:
         self.parent_key = hashlib.sha256(f"{socket.gethostname()}:{self.results_dir}".encode()).hexdigest()[:16]
         self.run_ids: dict[str, str] = {}
         self.disabled = False  # set after a failure during `run`: no more calls to the store
+        self._open_child: str | None = None  # a child run being logged (closed as KILLED if interrupted)
 
     # -- connection
 
@@ -475,7 +476,7 @@ class Tracker:
         tags = result_tags(doc, sha)
         tags.update({"mlflow.parentRunId": parent, "logged": "partial"})
         run = self.client.create_run(self.experiment_id(), tags=tags, run_name=doc["run_key"])
-        rid = run.info.run_id
+        rid = self._open_child = run.info.run_id
         params = [Param(k, v) for k, v in flat_params(doc).items()]
         for chunk in _chunks(params, BATCH_PARAMS_TAGS):
             self.client.log_batch(rid, params=chunk)
@@ -499,6 +500,7 @@ class Tracker:
         self.log_gate_files(rid)
         self.client.log_batch(rid, tags=[RunTag("logged", "complete")])
         self.client.set_terminated(rid, "FINISHED" if doc.get("status") == "ok" else "FAILED")
+        self._open_child = None
         return rid
 
     # -- a whole directory
@@ -520,12 +522,18 @@ class Tracker:
         return out
 
     def close(self, status: str = "FINISHED") -> None:
-        """Mark the parent run this tracker created (or reused) as ended."""
-        if self._parent_id is not None and self._client is not None and not self.disabled:
+        """Mark the parent run this tracker created (or reused) as ended with `status`, and a child run whose
+        logging was interrupted as KILLED (it stays tagged `logged=partial`: the next `log` replaces it)."""
+        if self._client is None or self.disabled:
+            return
+        for run_id, st in ((self._open_child, "KILLED"), (self._parent_id, status)):
+            if run_id is None:
+                continue
             try:
-                self.client.set_terminated(self._parent_id, status)
+                self.client.set_terminated(run_id, st)
             except Exception as exc:
-                self.log(f"warning: tracking: could not end parent run {self._parent_id}: {exc}")
+                self.log(f"warning: tracking: could not end mlflow run {run_id}: {exc}")
+        self._open_child = None
 
     def summary(self) -> str | None:
         """One line for the end of `run`: how many results went where (None when nothing was logged)."""
