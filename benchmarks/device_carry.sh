@@ -2,8 +2,9 @@
 # (Re)builds the git-ignored folder .carry/ that one device run takes along (device tool: carry [".carry"]):
 #
 #   .carry/whl/          py3.12 wheels of the eval packages the device image lacks (lm-eval and what it
-#                        imports), at exactly the versions installed here; lm-eval repacked without its
-#                        bundled task folders (the harness reads only suites/tasks/, include_defaults off)
+#                        imports), at exactly the versions installed here; lm-eval repacked with only the
+#                        bundled task folders the harness indexes (lm_eval_folders of
+#                        evalharness/taskdata/datasets.yaml: hellaswag, arc, piqa, winogrande, lambada, gsm8k, mmlu)
 #   .carry/data.tar.xz   the shared data the device parts read (task files, stories260K, WikiText-2 and
 #                        SimpleBooks-92 test), xz -9; benchmarks/run_device.sh unpacks it into .carry/data
 #
@@ -26,7 +27,8 @@ PY=${PYTHON:-python3}
 # datetime extra, used by pytablewriter's table output, which the harness never calls).
 PACKAGES=(lm_eval datasets dill multiprocess evaluate sqlitedict word2number rouge_score more_itertools
           pytablewriter DataProperty mbstrdecoder pathvalidate tabledata tcolorpy typepy chardet)
-# Data files the device parts read, relative to the data dir (suites/tasks/local_data.py, suites/*.yaml).
+# Data files the device parts read, relative to the data dir (evalharness/taskdata/datasets.yaml, suites/*.yaml);
+# MMLU's 114 files are added from the data dir below.
 DATA_FILES=(README.md SHA256SUMS
   models/stories260k/stories260K.bin models/stories260k/tok512.bin
   text/wikitext2/wiki.test.raw text/simplebooks92/test.txt
@@ -34,7 +36,8 @@ DATA_FILES=(README.md SHA256SUMS
   tasks/arc/ARC-Easy-Train.jsonl tasks/arc/ARC-Easy-Dev.jsonl tasks/arc/ARC-Easy-Test.jsonl
   tasks/arc/ARC-Challenge-Train.jsonl tasks/arc/ARC-Challenge-Dev.jsonl tasks/arc/ARC-Challenge-Test.jsonl
   tasks/piqa/dev.jsonl tasks/piqa/dev-labels.lst tasks/winogrande/dev.jsonl
-  tasks/lambada/lambada_test_plain_text.txt tasks/gsm8k/train.jsonl tasks/gsm8k/test.jsonl)
+  tasks/lambada/lambada_test_plain_text.txt tasks/lambada/lambada_development_plain_text.txt
+  tasks/gsm8k/train.jsonl tasks/gsm8k/test.jsonl)
 
 tree_bytes() {  # bytes of what the device tool sends besides the carry: tracked + untracked-not-ignored files
   { git ls-files -z; git ls-files -z --others --exclude-standard; } |
@@ -57,8 +60,12 @@ import sys
 target = sys.argv[1]
 import lm_eval.evaluator, lm_eval.tasks, datasets, dill, multiprocess  # noqa: E401,F401
 import evalharness.lm_adapter, evalharness.evals.tasks  # noqa: E401,F401
+from evalharness.taskdata.manager import lm_eval_task_folders
+from evalharness.taskdata.registry import registry
 for mod in (lm_eval, datasets, dill, multiprocess):
     assert mod.__file__.startswith(target), f"{mod.__name__} imported from {mod.__file__}, not from {target}"
+kept = lm_eval_task_folders()
+assert len(kept) == len(registry().lm_eval_folders), f"lm-eval task folders carried: {kept}"
 print(f"check: lm_eval {lm_eval.__version__ if hasattr(lm_eval, '__version__') else ''} datasets "
       f"{datasets.__version__} import from {target}")
 EOF
@@ -118,14 +125,17 @@ for path in sys.argv[1:]:  # every wheel must install on CPython 3.12, x86-64 Li
         sys.exit(f"device_carry: {os.path.basename(path)} is not a wheel for CPython 3.12 on x86-64 Linux")
 EOF
 
-# 2. lm-eval without its bundled task folders (75 of its 78 MB installed): every module stays.
+# 2. lm-eval without the bundled task folders the harness does not index (most of its 78 MB installed): every
+#    module stays, and the folders of evalharness/taskdata/datasets.yaml (lm_eval_folders).
 lmw=$(ls "$work"/dl/lm_eval-*.whl)
-"$PY" - "$lmw" .carry/whl <<'EOF'
+"$PY" - "$lmw" .carry/whl evalharness/taskdata/datasets.yaml <<'EOF'
 import base64, hashlib, os, re, sys, zipfile
-src, dest = sys.argv[1], sys.argv[2]
-task_dir = re.compile(r"^lm_eval/tasks/[^/]+/")  # lm_eval/tasks/<folder>/...; lm_eval/tasks/*.py stay
+import yaml
+src, dest, registry = sys.argv[1:4]
+keep = set(yaml.safe_load(open(registry))["lm_eval_folders"])
+task_dir = re.compile(r"^lm_eval/tasks/([^/]+)/")  # lm_eval/tasks/<folder>/...; lm_eval/tasks/*.py stay
 with zipfile.ZipFile(src) as zin:
-    names = [n for n in zin.namelist() if not task_dir.match(n)]
+    names = [n for n in zin.namelist() if not (m := task_dir.match(n)) or m.group(1) in keep]
     record = next(n for n in names if n.endswith(".dist-info/RECORD"))
     out = os.path.join(dest, os.path.basename(src))
     rows = []
@@ -145,6 +155,9 @@ EOF
 find "$work/dl" -name '*.whl' ! -name 'lm_eval-*' -exec cp {} .carry/whl/ \;
 
 # 3. The data, one xz tarball (paths relative to the data dir).
+mapfile -t mmlu < <(cd "$DATA" && ls tasks/mmlu/dev/*_dev.csv tasks/mmlu/test/*_test.csv)
+[ "${#mmlu[@]}" -eq 114 ] || { echo "device_carry: $DATA/tasks/mmlu holds ${#mmlu[@]} files, not 57 x (dev, test)" >&2; exit 2; }
+DATA_FILES+=("${mmlu[@]}")
 for f in "${DATA_FILES[@]}"; do
   [ -f "$DATA/$f" ] || { echo "device_carry: $DATA/$f is missing" >&2; exit 2; }
 done

@@ -27,8 +27,8 @@ fi
 if [ -d .carry/data ]; then export EVALHARNESS_DATA_DIR=$PWD/.carry/data; else unset EVALHARNESS_DATA_DIR; fi
 # The `tasks` part's sizes (issue 6: every eval of suites/evals.yaml, at device sizes, on both CUDA backends).
 # Full task sets where they are small (arc_challenge 1172, piqa 1838, winogrande 1267 documents); the large
-# ones limited (hellaswag 1000 of 10042, arc_easy 1000 of 2376, lambada 1000 of 5153) and GSM8K, whose
-# generations run one request at a time, to 8 of 1319 (5-shot, 32 new tokens). One recipe (fp8-block) on
+# ones limited (hellaswag 1000 of 10042, arc_easy 1000 of 2376, lambada_standard 1000 of 5153, mmlu 20 of each
+# subject: 1140 of 14042) and GSM8K to 8 of 1319 (5-shot, 32 new tokens). One recipe (fp8-block) on
 # cuda-emulated and cuda-native: per model one reference pass and two engine passes per eval. Estimated
 # 4-5 minutes on an H200 (from ~30 ms per engine forward / decode step of these models there and ~1.5 ms of
 # lm-eval + tokenizer work per document); the results' timing says where it went (evals_timing.txt).
@@ -36,7 +36,7 @@ EVALS_DEVICE_SETS=(
   --set recipe=fp8-block --set "backend=[cuda-emulated, cuda-native]"
   --set evals.layer_error.windows=16 --set evals.ppl_kld.max_windows=256
   --set evals.tasks.batch_size=128 --set evals.tasks.num_fewshot=null --set evals.tasks.max_gen_toks=32
-  --set "evals.tasks.limit={hellaswag: 1000, arc_easy: 1000, lambada: 1000, gsm8k: 8}"
+  --set "evals.tasks.limit={hellaswag: 1000, arc_easy: 1000, lambada_standard: 1000, gsm8k: 8, mmlu: 20}"
   --set evals.longctx.new_tokens=256 --set "evals.longctx.prompt_lens=[256]" --set evals.longctx.prompts_per_len=1
   --set evals.longctx.passkey_lens=null --set "evals.longctx.passkey_depths=[0.0, 0.5, 1.0]"
   --set evals.longctx.passkey_trials=1

@@ -3,7 +3,7 @@
 * ``layer_error``: per-tap error statistics, engine vs reference (streaming).
 * ``ppl_kld``: perplexity of both models with intervals, PPL ratio, token KLD, top-1 agreement.
 * ``invariance``: the same requests under other serving configs (batch size, chunked prefill), determinism.
-* ``tasks``: lm-eval tasks (offline configs in ``suites/tasks``), per-sample paired statistics.
+* ``tasks``: lm-eval's own tasks and groups (data from the data dir: ``evalharness.taskdata``), paired statistics.
 * ``longctx``: long greedy generations (degeneration, first divergence), passkey retrieval, KLD by position.
 * ``switching``: per-request high-precision path for sensitive modules: quality recovered, latency, memory.
 * ``threeway``: FP32 vs bit-exact emulation vs native kernels: error attributed to the format or the kernel.

@@ -1,44 +1,38 @@
-"""Downstream tasks through lm-eval's evaluator, engine vs FP32 reference on the same samples.
+"""Downstream tasks through lm-eval's evaluator, engine vs FP32 reference on the same documents.
 
-Both models are wrapped in :class:`evalharness.lm_adapter.HarnessLM` and run
-through ``lm_eval.evaluator.evaluate`` with ``log_samples=True``, one task at a
-time, on the same documents (same limit, few-shot seed and prompts; prompt
-hashes are checked). The reference's per-sample results are computed once per
-model and task configuration and reused by every recipe
-(``EvalContext.reference_cached``).
+The tasks are lm-eval's own definitions (prompts, few-shot sampling, filters, metrics, groups), their datasets
+read from the shared data folder (:mod:`evalharness.taskdata`), offline. Both models are wrapped in
+:class:`evalharness.lm_adapter.HarnessLM` and run through ``lm_eval.evaluator.evaluate`` with
+``log_samples=True``, one configured name at a time, on the same documents (same limit, few-shot count and seed;
+prompt hashes are checked). The reference's per-document results are computed once per model and task
+configuration and reused by every recipe (``EvalContext.reference_cached``).
 
-Task configs: ``suites/tasks/`` (hellaswag, arc_easy, arc_challenge, piqa,
-winogrande, lambada, gsm8k) read the shared data folder offline through
-``custom_dataset`` loaders; the data dir reaches them as task metadata. Any
-other lm-eval task works by name (lm-eval's own task index is only scanned
-when a name is not found in the local folders, since scanning it takes
-seconds), and ``include_paths`` adds user task folders. Downloads are
-disabled (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): a built-in task
-whose data is not in the local HF cache fails with the loader's error.
+A name is an lm-eval task, group (``mmlu``: its 57 subject tasks in four subgroups) or tag, or a task of the
+user's ``include_paths`` (which override lm-eval's of the same name). Downloads are disabled
+(``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1``): a task whose dataset the data folder does not stand in for
+must find its data in local files or the local HF cache.
 
-Per task (metrics ``tasks.<task>.<stat>``): ``acc_ref`` / ``acc_eng`` with
-Wilson intervals, ``delta`` = acc_eng - acc_ref with a paired-bootstrap
-interval, exact McNemar ``mcnemar_p``, flip rates ``flip_c2w`` (reference
-right, engine wrong) and ``flip_w2c`` with intervals, ``mde`` (smallest
-|delta| McNemar detects at alpha 0.05 / power 0.8 with this n, at the
-conservative discordance 0.5), ``n``, ``discordance``, ``pred_agree`` (same
-predicted choice / same generated answer) and, for log-likelihood tasks,
-``ll_absdiff_mean`` (mean |log-likelihood difference| per scored choice, a
-continuous and much more sensitive signal than accuracy). Samples:
-``<task>.correct_ref`` / ``<task>.correct_eng`` (0/1 per document, in doc
-order) for paired gate tests, ``<task>.ll_absdiff`` when available.
+Per leaf task and per group (metrics ``tasks.<name>.<stat>``; a group pools the documents of its tasks, which is
+lm-eval's aggregate for groups that weight by size, as ``mmlu`` does): ``acc_ref`` / ``acc_eng`` with Wilson
+intervals, ``delta`` = acc_eng - acc_ref with a paired-bootstrap interval, exact McNemar ``mcnemar_p``, flip
+rates ``flip_c2w`` (reference right, engine wrong) and ``flip_w2c`` with intervals, ``mde`` (smallest |delta|
+McNemar detects at alpha 0.05 / power 0.8 with this n, at the conservative discordance 0.5), ``n``,
+``discordance``, ``pred_agree`` (same predicted choice / same filtered answer), the task's other 0/1 metrics as
+``<metric>_ref`` / ``<metric>_eng`` (``acc_norm``) and, for log-likelihood tasks, ``ll_absdiff_mean`` (mean
+|log-likelihood difference| per scored choice, a continuous and much more sensitive signal than accuracy).
+"Correct" is the first of ``acc``, ``exact_match``, ``acc_norm``, ``em`` the task reports, under its first
+filter (GSM8K: ``strict-match``). Samples: ``<name>.correct_ref`` / ``<name>.correct_eng`` (0/1 per document, in
+doc order; a group's in the order of its tasks) for paired gate tests, ``<task>.ll_absdiff`` when available.
 
-Timing (the result's ``timing``): ``tasks.<task>.eng_s`` (the engine's pass over the task) and
-``tasks.<task>.ref_s`` (the reference's, in the run that computed it; later recipes reuse it), wall
-seconds including lm-eval's own request building and scoring.
+Timing (the result's ``timing``): ``tasks.<name>.eng_s`` (the engine's pass over the configured name) and
+``tasks.<name>.ref_s`` (the reference's, in the run that computed it; later recipes reuse it), wall seconds
+including lm-eval's own request building and scoring.
 
-Settings: ``tasks`` (names; default the seven above), ``limit`` (documents
-per task: an int, or ``{task: n}``; default all), ``num_fewshot`` (an int or
-``{task: n}``; default each task's own), ``batch_size`` (sequences per
-forward; default the serving config's), ``max_gen_toks`` (generation budget
-of generative tasks; default the task's), ``include_paths`` (extra task
-folders), ``data_dir`` (default the run's ``--data-dir``, else
-``$EVALHARNESS_DATA_DIR``).
+Settings: ``tasks`` (names; default :data:`DEFAULT_TASKS`), ``limit`` (documents per task: an int, or ``{name:
+n}``; a group's applies to each of its tasks; default all), ``num_fewshot`` (an int or ``{name: n}``; default each
+task's own), ``batch_size`` (sequences per forward; default the serving config's), ``max_gen_toks`` (generation
+budget of generative tasks; default the task's), ``include_paths`` (extra task folders), ``data_dir`` (default
+the run's ``--data-dir``, else ``$EVALHARNESS_DATA_DIR``).
 """
 
 from __future__ import annotations
@@ -58,11 +52,9 @@ from evalharness import stats
 from evalharness.errors import DataError
 from evalharness.evals import EvalContext
 
-BUILTIN_TASK_DIR = Path(__file__).resolve().parents[2] / "suites" / "tasks"
-DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada", "gsm8k")
+DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_standard", "gsm8k", "mmlu")
 # Which per-sample metric is "correct", in order of preference.
 CORRECTNESS_METRICS = ("acc", "exact_match", "acc_norm", "em")
-_TASK_MANAGERS: dict[tuple, Any] = {}
 _TASKS: dict[tuple, Any] = {}
 
 
@@ -96,32 +88,10 @@ def resolve_data_dir(cfg: dict[str, Any], ctx: EvalContext) -> str | None:
 
 
 def task_manager(names: list[str], include_paths: list[str], data_dir: str | None):
-    """A (cached) lm-eval TaskManager that knows every name in `names`.
+    """lm-eval's TaskManager for `names`, datasets from the data dir (:func:`evalharness.taskdata.task_manager`)."""
+    from evalharness.taskdata import task_manager as build
 
-    The local folders come first; lm-eval's built-in index (slow to scan) is
-    added only when a name is missing. Local tasks override built-ins of the
-    same name.
-    """
-    from lm_eval.tasks import TaskManager
-
-    paths = [str(BUILTIN_TASK_DIR)] if BUILTIN_TASK_DIR.is_dir() else []
-    for p in include_paths:
-        if not Path(p).expanduser().is_dir():
-            raise DataError(f"tasks eval: include_paths entry '{p}' is not a folder")
-        paths.append(str(Path(p).expanduser().resolve()))
-    meta = {"data_dir": data_dir} if data_dir else {}
-    for defaults in (False, True):
-        key = (tuple(paths), defaults, data_dir)
-        if key not in _TASK_MANAGERS:
-            with _quiet_lm_eval():
-                _TASK_MANAGERS[key] = TaskManager(include_path=paths or None, include_defaults=defaults,
-                                                  metadata=meta)
-        tm = _TASK_MANAGERS[key]
-        missing = [n for n in names if n not in tm.all_tasks]
-        if not missing:
-            return tm
-    raise DataError(f"tasks eval: unknown task(s) {missing}; local tasks: "
-                    f"{sorted(n for n in _TASK_MANAGERS[(tuple(paths), False, data_dir)].all_tasks)}")
+    return build(names, include_paths, data_dir)
 
 
 def _per_task(cfg: dict[str, Any], name: str, task: str, minimum: int) -> int | None:
@@ -167,54 +137,89 @@ def _lls(sample: dict[str, Any]) -> list[float] | None:
     return out or None
 
 
-def _load_task(tm, task: str) -> dict[str, Any]:
-    """lm-eval's task dict for `task`, built once per task manager and process.
+@contextlib.contextmanager
+def _no_datasets_progress():
+    """`datasets`' progress bars off for the block (restored after)."""
+    import datasets
 
-    Building a task materializes its whole few-shot pool (10k HellaSwag
-    documents: seconds); ``evaluate`` rebuilds the requests on every call and
-    the harness resets few-shot count, seed and generation budget each time, so
-    the task objects are safely reused by every model run.
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def _load_error(task: str, exc: BaseException) -> DataError:
+    """A load failure as an error that names the task and what the data dir serves."""
+    from evalharness.taskdata import registry
+
+    return DataError(f"tasks eval: cannot load '{task}' offline: {type(exc).__name__}: {exc}. The data dir stands in "
+                     f"for {', '.join(registry().served())}; any other dataset must be in local files or the local "
+                     "HF cache (a group or tag fails when one of its tasks does: e.g. lm-eval's 'lambada' tag holds "
+                     "lambada_openai, whose data is not in the shared folder; use 'lambada_standard')")
+
+
+def _load_task(tm, task: str) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """lm-eval's task dict for `task` (a task, group or tag), built once per task manager and process, and each
+    leaf task's own few-shot count and generation settings.
+
+    Building a task materializes its whole few-shot pool (10k HellaSwag documents: seconds); ``evaluate`` rebuilds
+    the requests on every call and the harness resets few-shot count, seed and generation budget each time, so the
+    task objects are safely reused by every model run.
     """
     key = (id(tm), task)
     if key not in _TASKS:
         try:
-            loaded = tm.load([task])
-        except (FileNotFoundError, ValueError, KeyError, ConnectionError, OSError) as exc:
-            raise DataError(f"tasks eval: cannot load task '{task}' offline: {exc}") from None
-        leaves = loaded["tasks"]
-        if len(leaves) != 1:
-            raise DataError(f"tasks eval: '{task}' is a group or tag of {len(leaves)} tasks "
-                            f"({sorted(leaves)[:8]}...); list its tasks individually")
-        (tobj,) = leaves.values()
-        defaults = (tobj.get_config("num_fewshot"), copy.deepcopy(tobj.get_config("generation_kwargs")))
+            with _no_datasets_progress():  # `datasets` draws a bar per map of a task's documents
+                loaded = tm.load([task])
+        except DataError:
+            raise
+        except Exception as exc:  # lm-eval and datasets raise many kinds (hub, file, schema, config errors)
+            raise _load_error(task, exc) from None
+        if not loaded["tasks"]:
+            raise DataError(f"tasks eval: '{task}' holds no tasks")
+        defaults = {name: (t.get_config("num_fewshot"), copy.deepcopy(t.get_config("generation_kwargs")))
+                    for name, t in loaded["tasks"].items()}
         _TASKS[key] = (loaded, defaults)
     return _TASKS[key]
 
 
-def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, seed: int,
-                  max_gen_toks: int | None) -> dict[str, Any]:
-    """Run one task through lm-eval for one model; per-document results in doc order."""
-    from lm_eval.evaluator import evaluate
+def _first_filter(tobj) -> str:
+    """The name of the task's first filter (lm-eval's 'none' when it has none)."""
+    filters = tobj.get_config("filter_list")
+    return filters[0]["name"] if filters else "none"
 
-    with _quiet_lm_eval():
-        loaded, (default_shots, default_gen) = _load_task(tm, task)
-        (name, tobj), = loaded["tasks"].items()
-        # Reset what earlier runs may have changed on the shared task object, then apply this run's settings.
-        tobj.set_config(key="num_fewshot", value=fewshot if fewshot is not None else (default_shots or 0))
-        tobj.set_fewshot_seed(seed=seed)
-        if tobj.get_config("output_type") == "generate_until":
-            gen = copy.deepcopy(default_gen) or {}
-            if max_gen_toks is not None:
-                gen["max_gen_toks"] = max_gen_toks
-            tobj.set_config(key="generation_kwargs", value=gen)
-        with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's per-task progress bars
-            res = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True)
-    logged = res["samples"][name]
+
+def _configure(name: str, tobj, defaults: tuple, fewshot: int | None, seed: int, max_gen_toks: int | None) -> None:
+    """Reset what earlier runs may have changed on a shared task object, then apply this run's settings."""
+    default_shots, default_gen = defaults
+    shots = fewshot if fewshot is not None else (default_shots or 0)
+    if shots > 0:
+        pool = tobj.fewshot_docs()
+        if pool is not None and len(pool) == 0:
+            raise DataError(f"tasks eval: '{name}' has no few-shot examples in the data dir (its few-shot split is "
+                            "not in the shared data folder); run it with num_fewshot: 0")
+    tobj.set_config(key="num_fewshot", value=shots)
+    tobj.set_fewshot_seed(seed=seed)
+    if tobj.get_config("output_type") == "generate_until":
+        gen = copy.deepcopy(default_gen) or {}
+        if max_gen_toks is not None:
+            gen["max_gen_toks"] = max_gen_toks
+        tobj.set_config(key="generation_kwargs", value=gen)
+
+
+def _leaf_result(name: str, tobj, logged: list[dict[str, Any]]) -> dict[str, Any]:
+    """One leaf task's per-document results (first filter, doc order)."""
     if not logged:
-        raise DataError(f"tasks eval: task '{task}' produced no samples")
-    filt = logged[0]["filter"]
+        raise DataError(f"tasks eval: task '{name}' produced no samples")
+    filt = _first_filter(tobj)
     logged = sorted((s for s in logged if s["filter"] == filt), key=lambda s: s["doc_id"])
+    if not logged:
+        raise DataError(f"tasks eval: task '{name}' logged no samples under its first filter '{filt}'")
     metric = _pick(logged[0])
+    others = [m for m in CORRECTNESS_METRICS if m != metric and isinstance(logged[0].get(m), (int, float, bool))]
     meta = tobj.get_config("metadata") or {}
     return {
         "task": name, "metric": metric, "filter": filt,
@@ -222,9 +227,61 @@ def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, see
         "doc_ids": [int(s["doc_id"]) for s in logged],
         "prompt_hashes": [s["prompt_hash"] for s in logged],
         "correct": [float(s[metric]) for s in logged],
+        "extra": {m: [float(s[m]) for s in logged] for m in others},
         "pred": [_prediction(s) for s in logged],
         "lls": [_lls(s) for s in logged],
     }
+
+
+def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, seed: int,
+                  max_gen_toks: int | None) -> dict[str, Any]:
+    """Run one configured name (a task, group or tag) through lm-eval for one model.
+
+    Returns ``{"name", "leaves": {task: per-document results}, "groups": {group: [its leaf tasks, in order]},
+    "group_versions"}``.
+    """
+    from lm_eval.evaluator import evaluate
+
+    with _quiet_lm_eval():
+        loaded, defaults = _load_task(tm, task)
+        for name, tobj in loaded["tasks"].items():
+            _configure(name, tobj, defaults[name], fewshot, seed, max_gen_toks)
+        with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's per-task progress bars
+            res = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True)
+    leaves = {name: _leaf_result(name, tobj, res["samples"].get(name) or [])
+              for name, tobj in loaded["tasks"].items()}
+    groups = {gname: [t.task_name for t in g.get_all_tasks()] for gname, g in (loaded.get("groups") or {}).items()}
+    versions = {gname: g.version for gname, g in (loaded.get("groups") or {}).items()}
+    return {"name": task, "leaves": leaves, "groups": groups, "group_versions": versions}
+
+
+def _pooled(name: str, leaves: list[dict[str, Any]], version: Any) -> dict[str, Any] | None:
+    """A group's documents as one task: its leaves' per-document results concatenated, in the leaves' order; None
+    when its tasks score different things (e.g. acc and exact_match), which do not pool."""
+    metrics = {leaf["metric"] for leaf in leaves}
+    if len(metrics) != 1:
+        return None
+    extra_names = set.intersection(*(set(leaf["extra"]) for leaf in leaves))
+    return {
+        "task": name, "metric": metrics.pop(), "version": version,
+        "doc_ids": [d for leaf in leaves for d in leaf["doc_ids"]],
+        "prompt_hashes": [h for leaf in leaves for h in leaf["prompt_hashes"]],
+        "correct": [c for leaf in leaves for c in leaf["correct"]],
+        "extra": {m: [v for leaf in leaves for v in leaf["extra"][m]] for m in sorted(extra_names)},
+        "pred": [p for leaf in leaves for p in leaf["pred"]],
+        "lls": [x for leaf in leaves for x in leaf["lls"]],
+    }
+
+
+def units(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every leaf task and every group of an :func:`evaluate_task` result, as per-document results (a group whose
+    tasks score different things has its tasks' statistics only)."""
+    out = list(result["leaves"].values())
+    for gname, members in result["groups"].items():
+        pooled = _pooled(gname, [result["leaves"][m] for m in members], result["group_versions"].get(gname))
+        if pooled is not None:
+            out.append(pooled)
+    return out
 
 
 def _check_paired(ref: dict[str, Any], eng: dict[str, Any]) -> None:
@@ -257,6 +314,9 @@ def paired_task_metrics(ref: dict[str, Any], eng: dict[str, Any], alpha: float =
         "mde": stats.mde_paired_proportions(n, alpha=alpha, power=0.8),
         "pred_agree": sum(a == b for a, b in zip(ref["pred"], eng["pred"])) / n,
     }
+    for name in sorted(set(ref.get("extra") or {}) & set(eng.get("extra") or {})):
+        m[f"{name}_ref"] = sum(ref["extra"][name]) / n
+        m[f"{name}_eng"] = sum(eng["extra"][name]) / n
     if ref.get("version") is not None:
         try:
             m["version"] = float(ref["version"])
@@ -272,7 +332,8 @@ def paired_task_metrics(ref: dict[str, Any], eng: dict[str, Any], alpha: float =
 
 
 def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
-    """The `tasks` eval: every configured task for the engine and the (cached) reference, paired statistics."""
+    """The `tasks` eval: every configured name for the engine and the (cached) reference; paired statistics per
+    leaf task and per group."""
     try:
         from evalharness.lm_adapter import HarnessLM
     except ImportError as exc:
@@ -310,12 +371,17 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
         t0 = time.perf_counter()
         eng = evaluate_task(engine_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
         ctx.timing[f"tasks.{task}.eng_s"] = time.perf_counter() - t0
-        _check_paired(ref, eng)
-        m, s = paired_task_metrics(ref, eng, seed=ctx.seed)
-        metrics.update({f"{ref['task']}.{k}": v for k, v in m.items()})
-        samples.update({f"{ref['task']}.{k}": v for k, v in s.items()})
-        digest = hashlib.sha256(json.dumps(ref["prompt_hashes"]).encode()).hexdigest()
-        ctx.data_hashes[f"tasks:{ref['task']}|n{len(ref['doc_ids'])}|fewshot{ref['num_fewshot']}"] = digest
+        ref_units, eng_units = units(ref), units(eng)
+        for r, e in zip(ref_units, eng_units):
+            _check_paired(r, e)
+            m, s = paired_task_metrics(r, e, seed=ctx.seed)
+            if r["task"] in ref["groups"]:
+                s.pop("ll_absdiff", None)  # per document, already under each of the group's tasks
+            else:
+                digest = hashlib.sha256(json.dumps(r["prompt_hashes"]).encode()).hexdigest()
+                ctx.data_hashes[f"tasks:{r['task']}|n{len(r['doc_ids'])}|fewshot{r['num_fewshot']}"] = digest
+            metrics.update({f"{r['task']}.{k}": v for k, v in m.items()})
+            samples.update({f"{r['task']}.{k}": v for k, v in s.items()})
     for k, v in engine_lm.counters.items():
         ctx.counters[f"tasks_engine_{k}"] = ctx.counters.get(f"tasks_engine_{k}", 0) + v
     return metrics, samples

@@ -72,8 +72,8 @@ def test_nightly_workflow():
 
 def test_nightly_suite_loads():
     """suites/nightly.yaml: the native engine, every named recipe, valid gate rules, the zoo models + stories260K
-    with a data dir, at the sizes of a real nightly (PPL 256 x 512, hundreds of documents per task, 1024 new
-    tokens)."""
+    with a data dir, at the sizes of a real nightly (PPL 256 x 512, hundreds of documents per task and in MMLU,
+    1024 new tokens)."""
     raw = yaml.safe_load((REPO / "suites" / "nightly.yaml").read_text())
     assert raw["backend"] == "cuda-native"
     assert sorted(raw["recipes"]) == sorted(named_recipes())
@@ -81,7 +81,9 @@ def test_nightly_suite_loads():
     assert [m["name"] for m in raw["models"]] == ["zoo-llama", "zoo-moe", "stories260k"]
     ev = raw["evals"]
     assert (ev["ppl_kld"]["seq_len"], ev["ppl_kld"]["max_windows"]) == (512, 256)
-    assert min(ev["tasks"]["limit"].values()) >= 100 and ev["longctx"]["new_tokens"] >= 1024
+    limits = dict(ev["tasks"]["limit"])
+    assert set(limits) == set(ev["tasks"]["tasks"]) and limits.pop("mmlu") * 57 >= 500  # per subject of 57
+    assert min(limits.values()) >= 100 and ev["longctx"]["new_tokens"] >= 1024
     # Without a data dir (the corpora live there) there is nothing to run, and the error says what is missing.
     with pytest.raises(SuiteError, match="model 'zoo-llama' needs the data dir"):
         load_suite(REPO / "suites" / "nightly.yaml", data_dir=None)

@@ -1,9 +1,12 @@
-"""The lm-eval adapter (HarnessLM), the offline task configs and the `tasks` eval.
+"""The lm-eval adapter (HarnessLM), lm-eval's own tasks read offline from the data dir, and the `tasks` eval.
 
 A tiny random Llama with a byte tokenizer is scored through the engine (fp32
 recipe) and through the HF reference; both must give the log-likelihoods of a
-direct computation with transformers. The task YAMLs must load offline from
-the shared data dir, and a second recipe must not run the reference again.
+direct computation with transformers. lm-eval's task definitions must load
+offline from the shared data dir with lm-eval's prompts, groups must give
+lm-eval's aggregates, and a second recipe must not run the reference again.
+The accuracies against lm-eval's own evaluator on a zoo model, from an
+installed wheel: tests/test_packaging.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from engine.loading import load_model  # noqa: E402
 from engine.model import Transformer  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 from evalharness.evals import EvalContext, run_eval  # noqa: E402
+from evalharness.errors import DataError  # noqa: E402
 from evalharness.evals.tasks import paired_task_metrics  # noqa: E402
 from evalharness.lm_adapter import HarnessLM, rolling_chunks  # noqa: E402
 from evalharness.reference import ReferenceLM  # noqa: E402
@@ -181,49 +185,17 @@ def test_paired_task_metrics_known_values():
     assert s["correct_eng"][:5] == [1, 1, 1, 1, 0]
 
 
-TASK_COUNTS = {"hellaswag": 10042, "arc_easy": 2376, "arc_challenge": 1172, "piqa": 1838, "winogrande": 1267,
-               "lambada": 5153, "gsm8k": 1319}
+def test_tasks_without_data_dir_fail_clearly(tmp_path):
+    """No data dir, or one without the task's files: the error names what to pass or what is missing."""
+    from evalharness.evals.tasks import _load_task, _offline, task_manager
 
-
-def test_task_yamls_load_offline(data_dir, monkeypatch):
-    """All seven local task configs load from the data dir with downloads disabled, with versions and
-    the expected document counts and prompts."""
-    from evalharness.evals.tasks import _offline, task_manager
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     _offline()
-    tm = task_manager(list(TASK_COUNTS), [], str(data_dir))
-    loaded = tm.load(list(TASK_COUNTS))["tasks"]
-    assert set(loaded) == set(TASK_COUNTS)
-    for name, task in loaded.items():
-        docs = task.eval_docs
-        assert len(docs) == TASK_COUNTS[name], name
-        assert task.get_config("metadata")["version"] == 1.0
-    doc = loaded["hellaswag"].eval_docs[0]
-    assert loaded["hellaswag"].doc_to_target(doc) == 3 and len(loaded["hellaswag"].doc_to_choice(doc)) == 4
-    lam = loaded["lambada"].eval_docs[0]
-    assert loaded["lambada"].doc_to_target(lam) == " signs" and not loaded["lambada"].doc_to_text(lam).endswith(" ")
-    gsm = loaded["gsm8k"].eval_docs[0]
-    assert gsm["gold"] == "18" and loaded["gsm8k"].get_config("num_fewshot") == 5
-    wg = loaded["winogrande"].eval_docs[0]
-    assert loaded["winogrande"].doc_to_text(wg) == 1
-    assert loaded["winogrande"].doc_to_choice(wg)[1].endswith("so Maria")
-
-
-def test_task_yamls_without_data_dir_fail_clearly(monkeypatch, tmp_path):
-    """No data dir: the loader names what to pass."""
-    import importlib.util
-
-    from evalharness.evals.tasks import BUILTIN_TASK_DIR
-
-    monkeypatch.delenv("EVALHARNESS_DATA_DIR", raising=False)
-    spec = importlib.util.spec_from_file_location("local_data_t", BUILTIN_TASK_DIR / "local_data.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
-        mod.piqa()
-    with pytest.raises(FileNotFoundError, match="missing"):
-        mod.piqa(data_dir=str(tmp_path))
+    with pytest.raises(DataError, match="--data-dir"):
+        _load_task(task_manager(["piqa"], [], None), "piqa")
+    with pytest.raises(DataError, match=r"piqa/dev.jsonl is missing"):
+        _load_task(task_manager(["piqa"], [], str(tmp_path)), "piqa")
+    with pytest.raises(DataError, match="unknown task"):
+        task_manager(["no_such_task_anywhere"], [], str(tmp_path))
 
 
 class CountingModel:
@@ -251,7 +223,7 @@ def test_tasks_eval_caches_reference_across_recipes(tiny, data_dir):
     engine, ref, tok, loaded = tiny
     counting = CountingModel(ref)
     cache, counters = {}, {}
-    cfg = {"tasks": ["piqa", "lambada", "gsm8k"], "limit": 3, "num_fewshot": 0, "max_gen_toks": 4,
+    cfg = {"tasks": ["piqa", "lambada_standard", "gsm8k"], "limit": 3, "num_fewshot": 0, "max_gen_toks": 4,
            "data_dir": str(data_dir)}
     results = {}
     for recipe in ("fp32", "bf16"):
@@ -264,7 +236,7 @@ def test_tasks_eval_caches_reference_across_recipes(tiny, data_dir):
     assert counting.calls == ref_calls, "the second recipe ran the reference again"
     assert counters["reference_passes"] == 3 and counters["reference_cache_hits"] == 3
     m32, s32 = results["fp32"]
-    for task in ("piqa", "lambada", "gsm8k"):
+    for task in ("piqa", "lambada_standard", "gsm8k"):
         assert m32[f"{task}.n"] == 3
         assert m32[f"{task}.acc_eng"] == m32[f"{task}.acc_ref"] and m32[f"{task}.mcnemar_p"] == 1.0
         assert m32[f"{task}.pred_agree"] == 1.0
@@ -314,9 +286,8 @@ def test_reused_task_objects_reset_per_run_settings(data_dir):
     _offline()
     tm = task_manager(["gsm8k"], [], str(data_dir))
     lm = HarnessLM(ZeroModel(), ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS))
-    one = evaluate_task(lm, tm, "gsm8k", 2, 1, 0, 3)
-    default = evaluate_task(lm, tm, "gsm8k", 2, None, 0, None)
-    again = evaluate_task(lm, tm, "gsm8k", 2, 1, 0, 3)
+    one, default, again = (evaluate_task(lm, tm, "gsm8k", 2, shots, 0, budget)["leaves"]["gsm8k"]
+                           for shots, budget in ((1, 3), (None, None), (1, 3)))
     assert (one["num_fewshot"], default["num_fewshot"], again["num_fewshot"]) == (1, 5, 1)
     assert one["prompt_hashes"] == again["prompt_hashes"] != default["prompt_hashes"]
     assert one["pred"] == again["pred"] and lm.counters["generated_tokens"] == 2 * 3 + 2 * 256 + 2 * 3
@@ -367,3 +338,86 @@ def test_tasks_eval_times_each_task(tmp_path):
     assert all(0 < v < 60 for t in timings for v in t.values())
     # the cached reference pass is what `reference_s` (the runner's '<eval>.reference_s') counts
     assert timings[0]["tasks.my_timed_qa.ref_s"] <= timings[0]["reference_s"]
+
+
+def _zero_ctx(data_dir=None, cache=None) -> EvalContext:
+    """An EvalContext whose two models are ZeroModels (lm-eval's machinery in milliseconds)."""
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    return EvalContext(engine=ZeroModel(), reference=ZeroModel(), tokenizer=tok, corpus="", vocab_size=260,
+                       batch_size=8, seed=0, cache={} if cache is None else cache, counters={},
+                       data_dir=None if data_dir is None else str(data_dir))
+
+
+def test_group_statistics_pool_its_tasks_as_lm_eval_aggregates(data_dir):
+    """mmlu as a group: per-subject and per-subgroup statistics, the group's pooled over its 57 tasks, equal to
+    lm-eval's own aggregate (mmlu weights by size) and to lm-eval's per-task accuracies."""
+    import lm_eval
+
+    from evalharness.evals.tasks import _offline, task_manager
+
+    m, s = run_eval("tasks", _zero_ctx(data_dir), {"tasks": ["mmlu"], "limit": 2, "num_fewshot": 0})
+    _offline()
+    tm = task_manager(["mmlu"], [], str(data_dir))
+    order = list(tm.load(["mmlu"])["tasks"])  # the group's tasks, in lm-eval's order
+    assert len(order) == 57 and m["mmlu.n"] == 114 and m["mmlu_stem.n"] == 2 * 19
+    assert all(f"{g}.n" in m for g in ("mmlu_stem", "mmlu_other", "mmlu_social_sciences", "mmlu_humanities"))
+    assert s["mmlu.correct_eng"] == [v for t in order for v in s[f"{t}.correct_eng"]]
+    assert "mmlu.ll_absdiff" not in s and "mmlu_anatomy.ll_absdiff" in s
+    lm = HarnessLM(ZeroModel(), ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS), batch_size=8)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["mmlu"], task_manager=tm, limit=2, num_fewshot=0,
+                                  bootstrap_iters=0, log_samples=False)["results"]
+    for name in ["mmlu", "mmlu_stem", "mmlu_humanities", "mmlu_abstract_algebra", "mmlu_world_religions"]:
+        assert m[f"{name}.acc_eng"] == pytest.approx(res[name]["acc,none"], abs=1e-12), name
+        assert m[f"{name}.acc_ref"] == m[f"{name}.acc_eng"] and m[f"{name}.pred_agree"] == 1.0
+
+
+def test_few_shot_without_a_few_shot_split_fails_clearly(data_dir):
+    """HellaSwag's training split (its few-shot pool) is not in the shared data: a few-shot run says so."""
+    with pytest.raises(DataError, match="'hellaswag' has no few-shot examples.*num_fewshot: 0"):
+        run_eval("tasks", _zero_ctx(data_dir), {"tasks": ["hellaswag"], "limit": 2, "num_fewshot": 1})
+
+
+def test_lambada_tag_names_the_dataset_the_data_dir_lacks(data_dir):
+    """lm-eval's `lambada` is a tag of lambada_openai (data not in the shared folder) and lambada_standard: the
+    error names the alternative."""
+    with pytest.raises(DataError, match="cannot load 'lambada' offline.*lambada_standard"):
+        run_eval("tasks", _zero_ctx(data_dir), {"tasks": ["lambada"], "limit": 2})
+
+
+def test_user_task_on_a_local_dataset_overrides_lm_evals(tmp_path, data_dir):
+    """A user's task YAML (include_paths) of the same name as lm-eval's replaces it, and a task that names a
+    dataset the data dir stands in for (allenai/ai2_arc) reads the local files with the user's own prompt."""
+    (tmp_path / "arc_easy.yaml").write_text(
+        "task: arc_easy\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: 'Q: {{question}}\\nA:'\ndoc_to_target: '{{choices.label.index(answerKey)}}'\n"
+        "doc_to_choice: '{{choices.text}}'\nmetric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
+        "metadata: {version: 7.0}\n")
+    from evalharness.evals.tasks import _load_task, _offline, task_manager
+
+    _offline()
+    tm = task_manager(["arc_easy"], [str(tmp_path)], str(data_dir))
+    task = _load_task(tm, "arc_easy")[0]["tasks"]["arc_easy"]
+    assert task.doc_to_text(task.eval_docs[0]).startswith("Q: Which statement") and len(task.eval_docs) == 2376
+    m, _ = run_eval("tasks", _zero_ctx(data_dir), {"tasks": ["arc_easy"], "limit": 3,
+                                                   "include_paths": [str(tmp_path)]})
+    assert m["arc_easy.version"] == 7.0 and m["arc_easy.n"] == 3
+
+
+
+def test_units_pool_a_group_in_its_task_order_unless_its_tasks_score_differently():
+    """units(): every leaf, then each group as its leaves' documents concatenated in the group's order; a group
+    mixing acc and exact_match tasks gets no pooled unit."""
+    from evalharness.evals.tasks import units
+
+    def leaf(name, metric, correct):
+        n = len(correct)
+        return {"task": name, "metric": metric, "doc_ids": list(range(n)), "prompt_hashes": [f"{name}{i}" for i in
+                range(n)], "correct": correct, "extra": {}, "pred": correct, "lls": [None] * n, "num_fewshot": 0}
+
+    result = {"leaves": {"a": leaf("a", "acc", [1.0, 0.0]), "b": leaf("b", "acc", [0.0]),
+                         "c": leaf("c", "exact_match", [1.0])},
+              "groups": {"g": ["b", "a"], "mixed": ["a", "c"]}, "group_versions": {"g": "2"}}
+    out = {u["task"]: u for u in units(result)}
+    assert set(out) == {"a", "b", "c", "g"}
+    assert out["g"]["correct"] == [0.0, 1.0, 0.0] and out["g"]["prompt_hashes"] == ["b0", "a0", "a1"]
+    assert paired_task_metrics(out["g"], out["g"])[0]["version"] == 2.0
