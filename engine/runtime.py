@@ -34,6 +34,7 @@ from engine.serving import ServingConfig
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PAGED_KERNEL_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)  # pages the paged kernels read
 # Longest call on FP8 pages that the Triton KV write + paged attention take; longer ones write through the
 # library quantizer and attend emulated. None: no limit (the invariance GPU suite and prompts of up to 100 tokens of
 # test_long_fp8_prompts_on_native_paged_kernels run uncapped on the H200). ENGINE_FP8_PAGED_MAX_TQ sets a limit, to
@@ -136,18 +137,26 @@ class PagedRuntime:
         else:
             dtype, kw = torch.float32, {}
         self.store_emulated = dtype == torch.float32 and not (ks == vs == "fp32")
+        # cuda-native attends with the paged kernels on the pages they read (FP8, bf16, fp16: PAGED_KERNEL_DTYPES);
+        # fp32 pages (the fp32 recipe's cache, and formats stored as emulated values) and the emulated backends
+        # attend through `nx.attention` on the gathered pages: the kernels' P.V products are half precision,
+        # which an fp32 cache must not get (and fp32 pages are outside what they were validated on)
+        self.native_attention = engine.backend == "cuda-native" and dtype in PAGED_KERNEL_DTYPES
+        # The gathered-page attention reads each sequence's length on the host, which a CUDA graph cannot hold:
+        # only a step on the paged kernels is captured (`graphs`); the others run eager, counted in the engine's
+        # work as decode steps without `decode_graph_steps`.
+        self.graphs = config.cuda_graphs and self.native_attention
         per_seq = -(-config.max_tokens // config.kv_block_size)
         mb = config.max_batch
         # slots [0, max_batch) serve requests; with CUDA graphs, slots [max_batch, 2*max_batch) are scratch
         # sequences (one page each) that the warm-up and capture write into, never a live request's pages
-        scratch = mb if config.cuda_graphs else 0
+        scratch = mb if self.graphs else 0
         self.kv = PagedKVCache(cfg.num_layers, (num_blocks or per_seq * mb) + scratch, config.kv_block_size,
                                cfg.num_kv_heads, cfg.head_dim, dtype=dtype, max_seqs=mb + scratch,
                                max_blocks_per_seq=per_seq, device=self.device, **kw)
         for slot in range(mb, mb + scratch):
             self.kv.allocate(slot, 1)
         self.attn_block = getattr(engine.nx, "attn_block", 64)
-        self.native_attention = engine.backend == "cuda-native"  # emulated backends keep emulated attention
         if self.native_attention:  # the kernels read bf16 queries: RoPE writes them in its own launch
             for nx in (engine.nx, getattr(engine, "hp_nx", None)):
                 if hasattr(nx, "use_query_carrier"):
@@ -183,8 +192,9 @@ class PagedRuntime:
         the engine's `work`."""
         self.engine.work["decode_steps"] += 1
         self.engine.work["decode_rows"] += tokens.shape[0]
-        if not self.config.cuda_graphs:
+        if not self.graphs:
             return self._forward(tokens, seq_ids, start)[:, -1]
+        self.engine.work["decode_graph_steps"] += 1
         b = tokens.shape[0]
         if b not in self._graphs:
             self._graphs[b] = self._capture(b)

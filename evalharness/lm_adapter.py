@@ -33,7 +33,7 @@ why ``batch_size`` is a serving setting of the run.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from lm_eval.api.model import LM

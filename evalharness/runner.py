@@ -47,6 +47,28 @@ class RunOutcome:
     bad_input: bool = False
 
 
+class DeviceLost(Exception):
+    """A run crashed with a sticky CUDA error (e.g. an illegal memory access): every later CUDA call of this
+    process fails the same way, so the suite stops; carries the outcomes written so far."""
+
+    def __init__(self, message: str, outcomes: list[RunOutcome]):
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def _cuda_lost(device: str) -> bool:
+    """After a crash on `device`: whether its CUDA context is unusable (a sticky error that every later call
+    raises again); False off CUDA and when a synchronize and a tiny kernel still work."""
+    if device != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return False
+    except Exception:
+        return True
+
+
 def resolve_backend(suite_backend: str, device: str | None) -> str:
     """`--device` overrides the suite's backend device: cpu -> cpu-emulated; cuda -> the suite's cuda backend
     (cuda-emulated or cuda-native), else cuda-emulated; auto -> cuda when available."""
@@ -188,8 +210,15 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
                 else:
                     pending.append(spec)
             if pending:
-                outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result,
-                                                 inputs=inputs.get(name)))
+                try:
+                    outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result,
+                                                     inputs=inputs.get(name)))
+                except DeviceLost as lost:
+                    outcomes.extend(lost.outcomes)
+                    left = total - done - len(lost.outcomes)
+                    log(f"stopped: {lost}. {left} run(s) did not run (no result file); finished results are kept. "
+                        f"Fix the cause (the error result's traceback), then run again with --resume.")
+                    return outcomes
                 done += len(pending)
     return outcomes
 
@@ -346,6 +375,9 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             sink(spec, path, doc)
             log(f"[{done + i + 1}/{total}] {spec.key}: ERROR {error['type']} (model '{model['name']}' did not load)")
             outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=bad))
+            if i == 0 and _cuda_lost(device):  # one error result, not one per run for a context that is gone
+                raise DeviceLost(f"the CUDA context is unusable after loading model '{model['name']}' failed "
+                                 f"({error['type']})", outcomes)
         return outcomes
     if inputs is None or inputs.model != loaded.sha256:
         inputs = model_inputs(model, model_sha=loaded.sha256, model_dir=loaded.directory)
@@ -415,6 +447,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             log(f"[{n}/{total}] {spec.key}: ERROR {error['type']}: {error['message']}")
         outcomes.append(RunOutcome(spec.key, status, path, metrics, error["message"] if error else None,
                                    bad_input=bool(error and error.get("bad_input"))))
+        if status == "error" and _cuda_lost(device):
+            raise DeviceLost(f"the CUDA context is unusable after {spec.key} crashed ({error['type']})", outcomes)
     return outcomes
 
 

@@ -204,6 +204,7 @@ DECODE_CASES = {
     "fp8_page256_bn128": (256, torch.float8_e4m3fn, 1, None, 128),
     "bf16_page64": (64, torch.bfloat16, 1, None, 64),
     "bf16_page16_tq3": (16, torch.bfloat16, 3, None, 32),
+    "fp32_page64": (64, torch.float32, 1, None, 64),  # the fp32 recipe's cache
 }
 
 
