@@ -39,6 +39,7 @@ Canonical taps emitted per forward (ARCHITECTURE.md):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
@@ -54,6 +55,26 @@ __all__ = ["KVCache", "Transformer", "apply_rope", "check_weights", "expected_sh
            "_module_path"]
 
 _module_path = module_path  # kept for importers of the old private name
+
+
+@dataclasses.dataclass
+class LayerState:
+    """What one decoder layer reads: the residual stream x (batch, t, d), its attn_norm hn (batch, t, d), and the
+    positions with their RoPE tables (shared by all layers)."""
+
+    x: torch.Tensor
+    hn: torch.Tensor
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def prepare_weight(nx: Numerics, name: str, w: torch.Tensor) -> torch.Tensor:
+    """One weight in its recipe format (`Numerics.prepare_weight` at the tensor's site); fp32 sites: `w` itself."""
+    site = weight_site(name)
+    if site is None:
+        return w
+    return nx.prepare_weight(w, site, site if site in ("embed", "lm_head") else module_path(name))
 
 
 class Transformer:
@@ -105,22 +126,31 @@ class Transformer:
         for name, w in self.weights.items():
             if par is not None and not par.holds(name):
                 continue
-            site = weight_site(name)
-            if site is None:
-                out[name] = w
-            elif site in ("embed", "lm_head"):
-                out[name] = nx.prepare_weight(w, site, site)
-            else:
-                out[name] = nx.prepare_weight(w, site, module_path(name))
+            out[name] = prepare_weight(nx, name, w)
             if par is not None:
                 out[name] = par.shard_weight(name, out[name])
         return out
 
     def forward(self, nx: Numerics, w: Mapping[str, torch.Tensor], tokens: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """Logits (batch, t, vocab) fp32 for `tokens` (batch, t); appends to `cache` when given."""
+        """Logits (batch, t, vocab) fp32 for `tokens` (batch, t); appends to `cache` when given.
+
+        The three stages (`forward_start`, `forward_layer` per layer, `forward_end`) are what the layer-streamed
+        execution (`engine.streaming`) runs one at a time over many batches: the same calls, the same bits."""
+        state = self.forward_start(nx, w, tokens, cache)
+        for i in range(self.cfg.num_layers):
+            state = self.forward_layer(nx, w, i, state, cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return self.forward_end(nx, w, state)
+
+    def forward_start(self, nx: Numerics, w: Mapping[str, torch.Tensor], tokens: torch.Tensor,
+                      cache: KVCache | None = None) -> LayerState:
+        """Embedding, its residual rounding and layer 0's attn_norm: the state layer 0 reads.
+
+        Needs `model.embed_tokens.weight` and `model.layers.0.input_layernorm.weight` (or `model.norm.weight`)."""
         cfg = self.cfg
-        b, t = tokens.shape
+        t = tokens.shape[1]
         if cache is not None and hasattr(cache, "positions"):  # paged runtime: each sequence at its own position
             pos = cache.positions(t)  # (batch, t) on the device
             cos, sin = rope_tables(self.inv_freq, pos, self.rope_factor)  # (batch, t, rope_dim)
@@ -135,17 +165,28 @@ class Transformer:
         nx.emit("embed", x)
         # Each residual add is taken together with the RMSNorm that reads its result (`Numerics.residual_norm`:
         # the next layer's attn_norm, or final_norm after the last layer), so a backend can fuse them.
-        eps, n = cfg.rms_norm_eps, cfg.num_layers
-        norms = [(w[f"model.layers.{i}.input_layernorm.weight"], f"layers.{i}.attn_norm") for i in range(n)]
-        norms.append((w["model.norm.weight"], "final_norm"))
-        hn = nx.rmsnorm(x, norms[0][0], eps, norms[0][1])
-        for i in range(n):
-            x, m = self._layer(nx, w, i, x, hn, pos, cos, sin, cache)
-            x, hn = nx.residual_norm(x, m, norms[i + 1][0], eps, f"layers.{i}.resid_out", norms[i + 1][1])
-        if cache is not None:
-            cache.length += t
-        nx.emit("final_norm", hn)
-        logits = nx.lm_head(hn, w["lm_head.weight"])  # (batch, t, vocab) fp32
+        norm_w, norm_name = self.norm_after(w, -1)
+        hn = nx.rmsnorm(x, norm_w, cfg.rms_norm_eps, norm_name)
+        return LayerState(x, hn, pos, cos, sin)
+
+    def norm_after(self, w: Mapping[str, torch.Tensor], i: int) -> tuple[torch.Tensor, str]:
+        """(weight, module name) of the RMSNorm that reads layer i's output: layer i+1's attn_norm, or final_norm."""
+        if i + 1 < self.cfg.num_layers:
+            return w[f"model.layers.{i + 1}.input_layernorm.weight"], f"layers.{i + 1}.attn_norm"
+        return w["model.norm.weight"], "final_norm"
+
+    def forward_layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, state: LayerState,
+                      cache: KVCache | None = None) -> LayerState:
+        """Decoder layer i, then the residual add and the norm after it (`norm_after`): the next layer's state."""
+        x, m = self._layer(nx, w, i, state.x, state.hn, state.pos, state.cos, state.sin, cache)
+        norm_w, norm_name = self.norm_after(w, i)
+        x, hn = nx.residual_norm(x, m, norm_w, self.cfg.rms_norm_eps, f"layers.{i}.resid_out", norm_name)
+        return dataclasses.replace(state, x=x, hn=hn)
+
+    def forward_end(self, nx: Numerics, w: Mapping[str, torch.Tensor], state: LayerState) -> torch.Tensor:
+        """The final norm's output (computed by the last layer's step) through the head: logits (batch, t, vocab)."""
+        nx.emit("final_norm", state.hn)
+        logits = nx.lm_head(state.hn, w["lm_head.weight"])  # (batch, t, vocab) fp32
         nx.emit("logits", logits)
         return logits
 
