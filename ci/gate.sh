@@ -6,7 +6,8 @@
 #
 # Writes OUT_DIR/results/ (one result JSON per run + suite.json),
 # OUT_DIR/junit.xml, OUT_DIR/summary.md and OUT_DIR/gate.log; appends the
-# summary to $GITHUB_STEP_SUMMARY when that is set (GitHub Actions).
+# summary and the JUnit results in markdown (ci/slowest.py) to
+# $GITHUB_STEP_SUMMARY when that is set (GitHub Actions).
 # Exit: 0 pass, 1 regression (gate FAIL, or a run that crashed), 2 bad input
 # (malformed suite, missing checkpoint or data, missing / corrupt baseline).
 #
@@ -18,7 +19,7 @@
 #   GATE_ARGS="--set k=v ..."   extra arguments for `evalharness run`
 #   EVALHARNESS="python3 -m evalharness.cli"   how to invoke the CLI
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 OUT="${1:-${GATE_OUT:-gate-out}}"
 SUITE="${SUITE:-suites/smoke.yaml}"
@@ -48,8 +49,11 @@ else
   if [ "$code" -eq 0 ] && [ "$run_code" -eq 2 ]; then code=2; fi
 fi
 
-if [ -n "${GITHUB_STEP_SUMMARY:-}" ] && [ -f "$OUT/summary.md" ]; then
-  cat "$OUT/summary.md" >> "$GITHUB_STEP_SUMMARY"
+if [ -n "${GITHUB_STEP_SUMMARY:-}" ]; then
+  # The gate's summary, then its JUnit results (ci/slowest.py; a JUnit file that is missing is named there).
+  if [ -f "$OUT/summary.md" ]; then cat "$OUT/summary.md" >> "$GITHUB_STEP_SUMMARY"; fi
+  python3 ci/slowest.py -n 0 --markdown "$GITHUB_STEP_SUMMARY" --title "Numerics gate: JUnit results" \
+    "$OUT/junit.xml" >> "$OUT/gate.log" 2>&1
 fi
 echo "== gate exit code: ${code} (0 pass, 1 regression, 2 bad input)" | tee -a "$OUT/gate.log"
 exit "$code"

@@ -4,6 +4,7 @@ under .github/workflows), ci/gate.sh runs end to end, and the nightly suite load
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -20,6 +21,8 @@ from evalharness.suite import load_suite
 from tests.conftest import REPO
 
 WORKFLOWS = REPO / "ci" / "workflows"
+NAMES = ["pr-gate.yml", "nightly.yml"]
+BASH = ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c"]  # GitHub's `shell: bash`
 
 
 def _load(name: str) -> dict:
@@ -35,10 +38,70 @@ def _runs(job: dict) -> str:
     return "\n".join(s.get("run", "") for s in job["steps"])
 
 
-@pytest.mark.parametrize("name", ["pr-gate.yml", "nightly.yml"])
+def _step(job: dict, name: str) -> dict:
+    """The step of a job with this name."""
+    return next(s for s in job["steps"] if s.get("name") == name)
+
+
+def _inline_expressions(wf: dict) -> list[str]:
+    """`job / step` of every `run:` script that holds a `${{ ... }}` expression: the runner pastes its value into
+    the script before the shell parses it (script injection); values go through the step's `env:` instead."""
+    return [f"{jn} / {s.get('name', s['run'][:40])}" for jn, job in wf["jobs"].items() for s in job["steps"]
+            if "${{" in s.get("run", "")]
+
+
+def _readme_test_commands() -> list[str]:
+    """The pytest commands of the README's "Tests" block, comments cut."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("## Tests"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [ln.split("  #")[0].strip() for ln in block.splitlines() if " -m pytest " in ln]
+
+
+def _apt_packages(script: str) -> set[str]:
+    """The packages of the `apt-get install` lines of a script."""
+    return {w for m in re.finditer(r"apt-get install ([^;}&|\n]*)", script) for w in m.group(1).split()
+            if not w.startswith("-")}
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_workflows_are_mirrored(name):
     """.github/workflows holds the same files as ci/workflows (GitHub only reads the former)."""
+    assert sorted(p.name for p in (REPO / ".github" / "workflows").iterdir()) == sorted(p.name for p in
+                                                                                       WORKFLOWS.iterdir())
     assert (REPO / ".github" / "workflows" / name).read_text() == (WORKFLOWS / name).read_text()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_workflow_structure(name):
+    """What GitHub requires of a workflow (the checks actionlint makes that need no network): a name, triggers,
+    jobs with a runner, a timeout and steps, each step either `uses` an action at a pinned major version or
+    `run`s a script; least-privilege permissions; bash as the shell."""
+    wf = _load(name)
+    assert wf["name"] and wf["on"] and wf["permissions"] == {"contents": "read"}
+    assert wf["defaults"]["run"]["shell"] == "bash"
+    for jn, job in wf["jobs"].items():
+        assert job["runs-on"] and isinstance(job["timeout-minutes"], int), jn
+        assert set(job) <= {"name", "runs-on", "container", "timeout-minutes", "env", "steps", "if", "needs"}, jn
+        for s in job["steps"]:
+            assert ("uses" in s) != ("run" in s), (jn, s)
+            assert set(s) <= {"name", "uses", "with", "run", "if", "env", "continue-on-error"}, (jn, s)
+            if "uses" in s:
+                assert re.fullmatch(r"actions/[a-z-]+@v\d+", s["uses"]), s["uses"]
+            else:
+                assert s.get("name"), f"{jn}: a run step without a name"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_expressions_in_run_scripts(name):
+    """No `${{ ... }}` inside any `run:` script (inputs and github context values reach scripts through `env:`)."""
+    assert _inline_expressions(_load(name)) == []
+
+
+def test_inline_expression_check_catches_one():
+    """The check above finds an expression pasted into a script (the nightly's old date input did that)."""
+    wf = {"jobs": {"n": {"steps": [{"name": "ok", "run": "echo \"$NIGHT\"", "env": {"NIGHT": "${{ inputs.date }}"}},
+                                   {"name": "pick", "run": 'night="${{ github.event.inputs.date }}"'}]}}}
+    assert _inline_expressions(wf) == ["n / pick"]
 
 
 def test_pr_gate_workflow():
@@ -50,24 +113,129 @@ def test_pr_gate_workflow():
     runs = _runs(job)
     assert "download.pytorch.org/whl/cpu" in runs and "torch==" in runs
     assert "pip install -e '.[test]'" in runs and "ci/gate.sh gate-out" in runs
+    assert "GITHUB_STEP_SUMMARY" not in job.get("env", {})  # ci/gate.sh writes the runner's step summary
     upload = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
     assert upload["if"] == "always()"
     paths = upload["with"]["path"]
     assert all(p in paths for p in ("gate-out/results/", "gate-out/junit.xml", "gate-out/summary.md"))
-    assert "python -m pytest -q" in _runs(wf["jobs"]["tests"])
+
+
+def test_pr_tests_job_runs_the_readme_commands_with_the_browser():
+    """The tests job: Debian (its chromium + chromium-driver, the packages .ci/run installs) installed before any
+    test; then the README's test commands, each a step with its JUnit XML, each running even after a failed one;
+    then every JUnit file rendered into the step summary (always)."""
+    job = _load("pr-gate.yml")["jobs"]["tests"]
+    assert re.fullmatch(r"python:3\.\d+-(bookworm|trixie)", job["container"])  # Debian, not Ubuntu's snaps
+    names = [s.get("name", s.get("uses")) for s in job["steps"]]
+    browser = _step(job, "Install chromium + chromedriver (the mlflow UI browser test)")
+    assert _apt_packages(browser["run"]) == {"chromium", "chromium-driver"} == _apt_packages(
+        (REPO / ".ci" / "run").read_text())
+    assert "chromedriver --version" in browser["run"]  # a missing driver fails here, not as a skipped test
+    steps = [_step(job, n) for n in ("unit", "interpreter", "slow")]
+    assert names.index(browser["name"]) < names.index("unit")
+    junit = []
+    for s, cmd in zip(steps, _readme_test_commands(), strict=True):
+        m = re.fullmatch(r"(.*) --junitxml=(junit/\w+\.xml)", s["run"])
+        assert m and m.group(1) == cmd, s["run"]
+        junit.append(m.group(2))
+    assert [s.get("if") for s in steps] == [None, "!cancelled()", "!cancelled()"]
+    summary = _step(job, "JUnit results to the step summary")
+    assert summary["if"] == "always()" and names.index(summary["name"]) > names.index("slow")
+    assert 'ci/slowest.py -n 15 --markdown "$GITHUB_STEP_SUMMARY"' in summary["run"]
+    assert all(j in summary["run"] for j in junit)
+
+
+def test_pr_tests_summary_step_runs(tmp_path):
+    """The tests job's summary step, run as GitHub runs it: the step summary gets the JUnit table, and a step that
+    wrote no JUnit file is named."""
+    job = _load("pr-gate.yml")["jobs"]["tests"]
+    (tmp_path / "ci").symlink_to(REPO / "ci")
+    (tmp_path / "junit").mkdir()
+    for step in ("unit", "slow"):
+        (tmp_path / "junit" / f"{step}.xml").write_text(
+            f'<testsuites><testsuite name="pytest" time="2.5"><testcase classname="tests.t" name="{step}_ok" '
+            'time="1.25"/></testsuite></testsuites>')
+    summary = tmp_path / "step-summary.md"
+    p = subprocess.run(BASH + [_step(job, "JUnit results to the step summary")["run"]], cwd=tmp_path,
+                       env=dict(os.environ, GITHUB_STEP_SUMMARY=str(summary)), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = summary.read_text()
+    assert text.startswith("## Tests: FAILED\n\n2 passed, 0 failed, 0 skipped; 1 JUnit file(s) missing")
+    assert "| unit | pytest | 1 | 0 | 0 | 2.5 |" in text and "junit/interpreter.xml: no such file" in text
 
 
 def test_nightly_workflow():
-    """Nightly: cron + manual trigger, GPU runner label, nightly suite with --resume, report + trend, upload."""
+    """Nightly: cron + manual trigger, GPU runner label, nightly suite with --resume, gate summary + JUnit +
+    report into the step summary, upload; after the results folder is picked, the steps that run always() need
+    one (with NIGHT empty they would take the whole history)."""
     wf = _load("nightly.yml")
     assert wf["on"]["schedule"][0]["cron"] and "workflow_dispatch" in wf["on"]
     job = wf["jobs"]["nightly"]
     assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
     runs = _runs(job)
     assert "evalharness run suites/nightly.yaml" in runs and "--resume" in runs and "--device cuda" in runs
-    assert "evalharness report" in runs and "evalharness trend" in runs and "GITHUB_STEP_SUMMARY" in runs
+    assert "evalharness report" in runs and "evalharness trend" in runs
+    gate = _step(job, "Gate (advisory)")
+    assert "--junit nightly-out/junit.xml --summary nightly-out/gate-summary.md" in gate["run"]
+    summary = _step(job, "Gate summary and JUnit results to the step summary")
+    assert 'ci/slowest.py -n 0 --markdown "$GITHUB_STEP_SUMMARY"' in summary["run"]
+    assert 'nightly-out/report/report.md >> "$GITHUB_STEP_SUMMARY"' in _step(job, "Report and trend")["run"]
+    always = [s for s in job["steps"] if "always()" in str(s.get("if", ""))]
+    assert len(always) >= 5 and all("env.NIGHT != ''" in s["if"] for s in always)
     upload = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
-    assert upload["if"] == "always()" and "nightly-out/" in upload["with"]["path"]
+    assert "always()" in upload["if"] and "nightly-out/" in upload["with"]["path"]
+
+
+@pytest.mark.parametrize("value, night", [
+    ("", "today"), ("2026-11-29", "2026-11-29"), ("2026-11-29-rerun.2", "2026-11-29-rerun.2"),
+    ("$(touch pwned)", None), ("2026-11-29/../../etc", None), ("2026-11-29; touch pwned", None),
+    ("nightly", None), ("2026-11-29\n::add-mask::x", None)])
+def test_nightly_date_input(tmp_path, value, night):
+    """The date input reaches the script through env: a value of the form YYYY-MM-DD[suffix] becomes NIGHT, an
+    empty one today's date (UTC); anything else (a path, shell code) stops the job, runs nothing, sets nothing."""
+    step = _step(_load("nightly.yml")["jobs"]["nightly"], "Pick the results folder")
+    assert step["env"] == {"NIGHT_INPUT": "${{ inputs.date }}"}
+    genv = tmp_path / "github_env"
+    genv.write_text("")
+    p = subprocess.run(BASH + [step["run"]], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, NIGHT_INPUT=value, GITHUB_ENV=str(genv)))
+    assert not (tmp_path / "pwned").exists()
+    if night is None:
+        assert p.returncode == 2 and genv.read_text() == "" and "::error::" in p.stdout
+    else:
+        assert p.returncode == 0, p.stdout + p.stderr
+        today = subprocess.run(["date", "-u", "+%F"], capture_output=True, text=True).stdout.strip()
+        assert genv.read_text() == f"NIGHT={today if night == 'today' else night}\n"
+
+
+def test_nightly_summary_step_runs(tmp_path):
+    """The nightly's summary step, run as GitHub runs it on what `evalharness gate` writes: the step summary
+    gets the gate's markdown summary, then its JUnit results with the failing metric; without them it says so."""
+    from evalharness.gate import Verdict
+    from evalharness.report import write_junit, write_summary
+
+    script = _step(_load("nightly.yml")["jobs"]["nightly"], "Gate summary and JUnit results to the step summary")
+    (tmp_path / "ci").symlink_to(REPO / "ci")
+    summary = tmp_path / "step-summary.md"
+    env = dict(os.environ, GITHUB_STEP_SUMMARY=str(summary))
+    p = subprocess.run(BASH + [script["run"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = summary.read_text()
+    assert text.startswith("# Numerics gate: no summary") and "nightly-out/junit.xml: no such file" in text
+    summary.write_text("")
+    verdicts = [Verdict("m__fp32", "ppl_kld.kld_mean", "PASS", value=0.0, baseline=0.0),
+                Verdict("m__fp8", "ppl_kld.kld_mean", "FAIL", value=0.09, baseline=0.04, delta=0.05, threshold=0.01,
+                        message="kld_mean rose past its threshold")]
+    write_junit(tmp_path / "nightly-out" / "junit.xml", verdicts, [])
+    write_summary(tmp_path / "nightly-out" / "gate-summary.md", verdicts, [], 1)
+    p = subprocess.run(BASH + [script["run"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = summary.read_text()
+    assert text.startswith("# Numerics gate: FAIL (regression)\n")
+    junit = text[text.index("## Numerics gate: JUnit results: FAILED"):]
+    assert "1 passed, 1 failed, 0 skipped." in junit and "| junit | m__fp8 | 0 | 1 | 0 | - |" in junit
+    assert "m__fp8::ppl_kld.kld_mean" in junit and "kld_mean rose past its threshold" in junit
 
 
 def test_nightly_suite_loads():
@@ -118,7 +286,7 @@ def _gate_sh(tmp: Path, baselines: Path, extra_env: dict[str, str] | None = None
 @pytest.mark.slow
 def test_gate_sh_end_to_end(tmp_path):
     """ci/gate.sh: exit 2 without baselines (summary + JUnit still written), then 0 once baselines exist,
-    with the summary appended to $GITHUB_STEP_SUMMARY."""
+    with the summary and the JUnit results appended to $GITHUB_STEP_SUMMARY."""
     baselines = tmp_path / "baselines"
     p = _gate_sh(tmp_path, baselines)
     assert p.returncode == 2, p.stdout + p.stderr
@@ -134,6 +302,9 @@ def test_gate_sh_end_to_end(tmp_path):
     assert "gate: PASS" in p.stdout
     text = step.read_text()
     assert text.startswith("previous step\n# Numerics gate: PASS")
+    junit = text[text.index("## Numerics gate: JUnit results: passed\n"):]
+    row = r"^\| junit \| tiny-llama__bf16__default__cpu-emulated \| [1-9]\d* \| 0 \| 0 \| - \|$"
+    assert re.search(row, junit, re.M)
     root = ET.parse(out / "junit.xml").getroot()
     assert {ts.get("name") for ts in root.iter("testsuite")} == {
         "tiny-llama__fp32__default__cpu-emulated", "tiny-llama__bf16__default__cpu-emulated"}
