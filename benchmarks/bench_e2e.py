@@ -21,9 +21,7 @@ point. `--profile` adds each configuration's top kernels and its critical
 path (`critical_path`); `--pdl both` also times the runtime without
 programmatic dependent launch (rows tagged -nopdl). `--decode-configs FILE` adds measured decode-GEMM
 configs (`DECODE_CONFIGS` entries as JSON, e.g. `probe_kernels.py --only decode_graph`'s output) for the run,
-to try them in a whole decode step before committing them; `e2e_before.py PRESET` runs this benchmark with an
-earlier kernel setting patched in (e.g. the 2-programs-per-SM decode-GEMM heuristic, the gathered-scale MX path), the
-"before" side of an A/B.
+to try them in a whole decode step before committing them.
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """
@@ -369,13 +367,13 @@ def main() -> None:
     ap.add_argument("--decode-stages", choices=("rule", "autotune"), default=None,
                     help="pipeline depth of decode GEMMs without an entry (engine.kernels.gemm.DECODE_STAGE_CHOICE)")
     args = ap.parse_args()
-    from engine.kernels import gemm
+    from engine.kernels import decode_plan as P
 
-    added = gemm.load_decode_configs(args.decode_configs) if args.decode_configs else {}
+    added = P.load_decode_configs(args.decode_configs) if args.decode_configs else {}
     if args.gemv_prefetch is not None:
-        gemm.GEMV_PREFETCH_BYTES = args.gemv_prefetch
+        P.GEMV_PREFETCH_BYTES = args.gemv_prefetch
     if args.decode_stages is not None:
-        gemm.DECODE_STAGE_CHOICE = args.decode_stages
+        P.DECODE_STAGE_CHOICE = args.decode_stages
     from engine.config import ModelConfig
     from engine.model import Transformer
     from evalharness.provenance import hardware_fingerprint
@@ -398,7 +396,7 @@ def main() -> None:
     say(f"hardware: {json.dumps(fp)}")
     bw = copy_bandwidth()
     say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
-    say(f"decode GEMM pipeline depth without an entry: {gemm.DECODE_STAGE_CHOICE}")
+    say(f"decode GEMM pipeline depth without an entry: {P.DECODE_STAGE_CHOICE}")
     for key, knobs in added.items():
         say(f"DECODE_CONFIGS entry added from {args.decode_configs}: {key} -> {knobs}")
     say(f"model: {label}-shaped, {cfg.num_layers} layers, random weights")

@@ -348,6 +348,9 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
     FP8 alike; one call after a clean L2 flush (`_evict_l2`), which adds each call's own launch and ramp, shown
     as well; and one call after a dirty flush, which also charges the call the write-back of ~50 MB of L2 lines
     it never wrote."""
+    from engine.kernels import gemm_wgmma as gw
+    from engine.kernels import decode_plan as P
+    from engine.kernels import gemm_fp8 as GF
     say(f"\n## decode (weight-bytes TB/s; ceilings: read {read_tbs:.2f} TB/s, copy {copy_tbs:.2f} TB/s; targets "
         f">= {TARGET_DECODE_TBS} TB/s and >= {TARGET_DECODE_SPEEDUP}x bf16, judged in the CUDA graph; one call "
         f"after a clean L2 flush shown as well)")
@@ -383,32 +386,32 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                             "fp8_us_graph": g8, "fp8_tbs_graph": fp8_bytes / (g8 * 1e-6) / 1e12,
                             "speedup_vs_bf16_graph": g16 / g8})
                 h8 = host_us(lambda: G.fp8_block_linear(xd, xs, wd, ws))
-                bm, bn, _, _ = G._tiles(m)
-                pinned = G._decode_knobs(m, n, k, xd.device, {})  # a DECODE_CONFIGS entry, when one matches
+                bm, bn, _, _ = P._tiles(m)
+                pinned = P._decode_knobs(m, n, k, xd.device, {})  # a DECODE_CONFIGS entry, when one matches
                 bn = pinned.get("block_n") or bn
-                splits, _ = G._plan_split(m, n, -(-k // 128), bm, bn, xd.device, pinned.get("split_k"))
+                splits, _ = P._plan_split(m, n, -(-k // 128), bm, bn, xd.device, pinned.get("split_k"))
                 if pinned:
                     cfg = f"DECODE_CONFIGS {pinned}"
-                elif n * k >= G.TUNE_MIN_WEIGHT and G.DECODE_STAGE_CHOICE == "rule":
-                    cfg = f"split_k={splits} num_stages={G._decode_stages(-(-n // bn) * splits, G.sm_count(xd.device))}"
+                elif n * k >= P.TUNE_MIN_WEIGHT and P.DECODE_STAGE_CHOICE == "rule":
+                    cfg = f"split_k={splits} num_stages={P._decode_stages(-(-n // bn) * splits, P.sm_count(xd.device))}"
                 else:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, splits, dtypes...)
-                    cfg = next((str(c) for key, c in G._fp8_block_gemm_tuned.cache.items()
+                    cfg = next((str(c) for key, c in GF._fp8_block_gemm_tuned.cache.items()
                                 if tuple(key[:4]) == (n, k, bm, bn) and key[5] == splits), "fixed")
                 try:
                     tcb = time_us(lambda: G.scaled_mm_blockwise(xd, xs, wd, ws), flush="clean")
                 except Exception as exc:  # cuBLAS may refuse: the row still reports the Triton kernel
                     tcb = float("nan")
                     print(f"    cuBLAS blockwise M={m}: {str(exc).splitlines()[0]}")
-                wgmma = m > 1 and bool(pinned.get("wgmma")) and G.gw.usable(
-                    xd, wd, 64, pinned.get("num_stages") or G.gw.swap_stages(m, -(-k // 128), splits), G.gw.GPS,
+                wgmma = m > 1 and bool(pinned.get("wgmma")) and gw.usable(
+                    xd, wd, 64, pinned.get("num_stages") or gw.swap_stages(m, -(-k // 128), splits), gw.GPS,
                     splits, True)
                 sliced = (m > 1 and not wgmma
-                          and G._sliced_instead(xd, m, splits, bn, pinned.get("num_warps") or 4, pinned))
+                          and P._sliced_instead(xd, m, splits, bn, pinned.get("num_warps") or 4, pinned))
                 res.update({"cublas_block_us": tcb, "cublas_speedup_vs_bf16": res["bf16_us"] / tcb,
                             "split_k": splits, "block_m": bm, "block_n": bn, "tuned_config": cfg, "fp8_host_us": h8,
                             "sliced": sliced, "wgmma": wgmma,
-                            "gemv": m == 1 and G.GEMV_M1,
-                            "gemv_config": G.GEMV_CONFIGS.get((G._device_name(xd.device.type, xd.device.index), n, k))})
+                            "gemv": m == 1 and P.GEMV_M1,
+                            "gemv_config": P.GEMV_CONFIGS.get((P._device_name(xd.device.type, xd.device.index), n, k))})
                 return res
 
             r = case("decode", f"{n}x{k} M={m}", run)
@@ -434,7 +437,7 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
     for n, k in DECODE_SHAPES:
         _, _, wd, ws = fp8_block_operands(1, n, k, seed=n)
         xd, xs, _, _ = fp8_block_operands(1, 16, k, seed=1)
-        splits_h, _ = G._plan_split(1, n, -(-k // 128), 16, 64, xd.device, None)
+        splits_h, _ = P._plan_split(1, n, -(-k // 128), 16, 64, xd.device, None)
         parts = []
         for s in (1, 2, 4, 8, 16):
             r = case("splitk_sweep", f"{n}x{k} M=1 split={s}",
@@ -448,6 +451,7 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
 
 def mx_section(say, case, G, copy_tbs: float) -> None:
     """MX / NVFP4 dequant-in-kernel GEMMs at MX_SIZE^3 (TFLOP/s) and M = 1 (weight TB/s)."""
+    from engine.kernels import gemm_mx as GM
     say("\n## MX / NVFP4 dequant-in-kernel GEMMs (Triton; bf16 MMA, fp32 accumulation)")
     from engine.formats import quantize
 
@@ -457,7 +461,7 @@ def mx_section(say, case, G, copy_tbs: float) -> None:
     xsrc = torch.randn(MX_SIZE, k, device=DEVICE, generator=g)
     for xkind, wspec in [("mxfp8", "mxfp8"), ("bf16", "mxfp8"), ("bf16", "mxfp4"), ("bf16", "nvfp4")]:
         try:
-            wp = G.prepare_mx_weight(quantize(wsrc, wspec))
+            wp = GM.prepare_mx_weight(quantize(wsrc, wspec))
         except Exception as exc:
             say(f"  prepare {wspec} FAILED {exc}")
             continue
@@ -470,7 +474,7 @@ def mx_section(say, case, G, copy_tbs: float) -> None:
                 args, kw = (xm.to(torch.bfloat16),), {}
 
             def run(args=args, kw=kw, wp=wp, m=m):
-                us = time_us(lambda: G.mx_linear(*args, wp, **kw))
+                us = time_us(lambda: GM.mx_linear(*args, wp, **kw))
                 return {"m": m, "n": n, "k": k, "us": us, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12,
                         "weight_tbs": wp.nbytes / (us * 1e-6) / 1e12}
 

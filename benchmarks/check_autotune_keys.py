@@ -18,15 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gemm import fp8_block_operands  # noqa: E402
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import decode_plan as P  # noqa: E402
+from engine.kernels import gemm_fp8 as GF  # noqa: E402
 
 
 def main() -> int:
     xd, xs, wd, ws = fp8_block_operands(4, 4096, 14336)
-    G.DECODE_STAGE_CHOICE = "autotune"
+    P.DECODE_STAGE_CHOICE = "autotune"
     for s in (2, 4):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.bfloat16, split_k=s)
     torch.cuda.synchronize()
-    keys = {k: str(c) for k, c in G._fp8_block_gemm_tuned.cache.items() if tuple(k[:2]) == (4096, 14336)}
+    keys = {k: str(c) for k, c in GF._fp8_block_gemm_tuned.cache.items() if tuple(k[:2]) == (4096, 14336)}
     for k, c in keys.items():
         print(f"  key {k[:6]} -> {c}")
     splits = {k[5] for k in keys}

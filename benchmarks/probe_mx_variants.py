@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gemm import graph_us  # noqa: E402
 from engine.formats import quantize  # noqa: E402
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import decode_plan as P  # noqa: E402
+from engine.kernels import gemm_mx as GM  # noqa: E402
 
 VARIANTS = {"cast": dict(MX_SCALE_BITS=False, MX_ROW_SCALES=False, MX_FP4_PTX=False, MX_FUSED_REDUCE=False),
             "bits": dict(MX_SCALE_BITS=True, MX_ROW_SCALES=False, MX_FP4_PTX=False, MX_FUSED_REDUCE=False),
@@ -57,23 +59,23 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
     saved = {name: getattr(G, name) for flags in VARIANTS.values() for name in flags}
-    print("MX_SPLIT_RULE", G.MX_SPLIT_RULE, "| variants", variants)
+    print("MX_SPLIT_RULE", P.MX_SPLIT_RULE, "| variants", variants)
     try:
         for pair in args.pairs.split(","):
             xkind, wspec = pair.split(":")
             for n, k in SHAPES:
                 g = torch.Generator(device="cuda").manual_seed(n + k)
-                wps = [G.prepare_mx_weight(quantize(torch.randn(n, k, device="cuda", generator=g), wspec))
+                wps = [GM.prepare_mx_weight(quantize(torch.randn(n, k, device="cuda", generator=g), wspec))
                        for _ in range(4)]
                 for m in (int(v) for v in args.ms.split(",")):
                     xa, kw = _x(xkind, m, k, g)
-                    ref = G.mx_linear_reference(*xa, wps[0], out_dtype=torch.float32, **kw)
+                    ref = GM.mx_linear_reference(*xa, wps[0], out_dtype=torch.float32, **kw)
                     cells, first = [], None
                     for v in variants:
                         for name, val in VARIANTS[v].items():
                             setattr(G, name, val)
-                        out = G.mx_linear(*xa, wps[0], out_dtype=torch.float32, **kw)
-                        us = graph_us([lambda wp=wp: G.mx_linear(*xa, wp, **kw) for wp in wps])
+                        out = GM.mx_linear(*xa, wps[0], out_dtype=torch.float32, **kw)
+                        us = graph_us([lambda wp=wp: GM.mx_linear(*xa, wp, **kw) for wp in wps])
                         rate = (f"{wps[0].nbytes / us / 1e6:5.2f} TB/s" if m <= 64
                                 else f"{2 * m * n * k / us / 1e6:6.1f} TFLOP/s")
                         err = ((out - ref).norm() / ref.norm()).item()

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gemm import fp8_block_operands  # noqa: E402
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import gemm_mx as GM  # noqa: E402
 from engine.kernels import quant as Q  # noqa: E402
 
 
@@ -42,12 +43,12 @@ def _calls(only: set[str]) -> list:
         src = torch.randn(4, 14336, device="cuda")
         xb = src.to(torch.bfloat16)
         for xkind, wspec in (("bf16", "mxfp4"), ("bf16", "nvfp4"), ("mxfp8", "mxfp8")):
-            wp = G.prepare_mx_weight(quantize(torch.randn(4096, 14336, device="cuda"), wspec))
+            wp = GM.prepare_mx_weight(quantize(torch.randn(4096, 14336, device="cuda"), wspec))
             if xkind == "mxfp8":
                 q = quantize(src, "mxfp8")
-                calls.append(lambda wp=wp, q=q: G.mx_linear(q.data, wp, x_scale=q.scale))
+                calls.append(lambda wp=wp, q=q: GM.mx_linear(q.data, wp, x_scale=q.scale))
             else:
-                calls.append(lambda wp=wp: G.mx_linear(xb, wp))
+                calls.append(lambda wp=wp: GM.mx_linear(xb, wp))
     return calls
 
 

@@ -95,16 +95,16 @@ def opcode(text: str) -> str:
 def mx_loop(kind: str, **overrides) -> list[str]:
     """The K loop's instructions of `_mx_gemm_kernel` for bf16 x MXFP4 / bf16 x NVFP4 / MXFP8 x MXFP8 at the decode
     tile, with `mx_linear`'s constexprs on a CUDA GPU unless overridden."""
-    from engine.kernels import gemm as G
+    from engine.kernels import gemm_mx as GM
 
     consts = dict(BM=16, BN=64, X_SCALED=kind == "mxfp8", W_FP4=kind != "mxfp8", W_SB=16 if kind == "nvfp4" else 32,
                   W_E8M0=kind != "nvfp4", HAS_TS=kind == "nvfp4", USE_PART=True, HAS_BIAS=False,
-                  SCALE_BITS=G.MX_SCALE_BITS, ROW_SCALES=G.MX_ROW_SCALES, FP4_PTX=G.MX_FP4_PTX,
-                  FUSED_REDUCE=G.MX_FUSED_REDUCE)
+                  SCALE_BITS=GM.MX_SCALE_BITS, ROW_SCALES=GM.MX_ROW_SCALES, FP4_PTX=GM.MX_FP4_PTX,
+                  FUSED_REDUCE=GM.MX_FUSED_REDUCE)
     consts.update(overrides)
     ptrs = {"x_ptr": "*fp8e4nv" if kind == "mxfp8" else "*bf16", "w_ptr": "*fp8e4nv" if kind == "mxfp8" else "*u8",
             "ws_ptr": "*fp8e4nv" if kind == "nvfp4" else "*u8", "out_ptr": "*bf16", "cnt_ptr": "*i32"}
-    return loops(disassemble(compile_sm90(G._mx_gemm_kernel, consts, ptrs)))[-1][2]
+    return loops(disassemble(compile_sm90(GM._mx_gemm_kernel, consts, ptrs)))[-1][2]
 
 
 def main(argv: list[str]) -> int:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import decode_plan as P  # noqa: E402
 from engine.kernels import gemm_wgmma as GW  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200-2026-11-30"  # H200 sweeps of 2026-11-30
@@ -73,13 +74,13 @@ def pick(n: int, k: int, m: int, sms: int, fill, whole_k: bool) -> str:
     """The variant a heuristic runs for (N, K, M): 'wk<block_n>x<groups>' or 's<splits>'. fill: programs per SM for
     `_split_k`, or a split rule (tiles, steps, SMs, BM) -> splits (`G.mx_split_k`)."""
     if whole_k:
-        wk = G._heuristic_whole_k(m, n, torch.device("cuda"))
+        wk = P._heuristic_whole_k(m, n, torch.device("cuda"))
         if wk:
             return f"wk{wk['block_n']}x{wk['whole_k']}"
-    bm, bn, _, _ = G._tiles(m)
+    bm, bn, _, _ = P._tiles(m)
     tiles = -(-n // bn) * -(-m // bm)
     steps = -(-k // 128)
-    return f"s{fill(tiles, steps, sms, bm) if callable(fill) else G._split_k(tiles, steps, sms, fill)}"
+    return f"s{fill(tiles, steps, sms, bm) if callable(fill) else P._split_k(tiles, steps, sms, fill)}"
 
 
 def score(sms: int, rows: dict, fill, whole_k: bool) -> dict:
@@ -103,7 +104,7 @@ WGMMA_DEFAULT = tuple(RESULTS / name
 def wgmma_pick(n: int, k: int, m: int, sms: int) -> str:
     """The variant name `w<splits>g<groups per stage>n<stages>` the wgmma rule runs for (N, K, M), or 'prod' where it
     has no plan."""
-    plan = G.wgmma_plan(m, n, k, sms)
+    plan = P.wgmma_plan(m, n, k, sms)
     if plan is None:
         return "prod"
     splits, gps, stages = plan
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         for title, (sms, rows) in read_sections(path).items():
             print(f"{title}: {len(rows)} points, {sms} SMs; pick / best split, geometric mean")
             for name, fill in (("fill 2: 2 programs per SM", 2.0), ("fill 4: 4 programs per SM", 4.0),
-                               (f"in the code: MX_SPLIT_RULE {G.MX_SPLIT_RULE}", G.mx_split_k)):
+                               (f"in the code: MX_SPLIT_RULE {P.MX_SPLIT_RULE}", P.mx_split_k)):
                 s = score(sms, rows, fill, False)
                 per = "  ".join(f"BM {bm} {g:.3f}"
                                 for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
     print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")
     for name, fill, wk in (("2 programs per SM, no whole-K", 2.0, False),
-                           (f"in the code: {G.SPLIT_FILL} per SM, whole-K at BM 64 {G.WHOLE_K_AT_BM64}", G.SPLIT_FILL,
-                            G.WHOLE_K_AT_BM64)):
+                           (f"in the code: {P.SPLIT_FILL} per SM, whole-K at BM 64 {P.WHOLE_K_AT_BM64}", P.SPLIT_FILL,
+                            P.WHOLE_K_AT_BM64)):
         s = score(sms, rows, fill, wk)
         per = "  ".join(f"BM {bm} {g:.3f}" for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
         print(f"  {name:48s} all {s['geo']['all']:.3f}  {per}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")

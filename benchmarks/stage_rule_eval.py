@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.kernels import gemm as G  # noqa: E402
+from engine.kernels import decode_plan as P  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
 DEFAULT = (RESULTS / "probe_decode_stages.txt", RESULTS / "probe_decode_stages_check.txt")
@@ -56,7 +57,7 @@ def score(sms: int, rows: list[dict], limits, block_n: int = 64) -> dict:
         t = row["times"]
         best = min(t["st3"], t["st4"], t["st6"])
         programs = -(-row["n"] // block_n) * row["splits"]
-        rule.append(t[f"st{G._decode_stages(programs, sms, limits)}"] / best)
+        rule.append(t[f"st{P._decode_stages(programs, sms, limits)}"] / best)
         if "auto" in t:
             auto.append(t["auto"] / best)
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
                     help="thresholds 'load:stages,...' (default: engine.kernels.gemm.DECODE_STAGES)")
     args = ap.parse_args(argv)
     if args.limits is None:
-        args.limits = G.DECODE_STAGES
+        args.limits = P.DECODE_STAGES
     print(f"rule {args.limits}")
     for path in args.files:
         sms, rows = read_probe(path)

@@ -357,6 +357,7 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
 
     from benchmarks.bench_gemm import fp8_block_operands, host_us, time_us
     from engine.kernels import gemm as G
+    from engine.kernels import decode_plan as P
 
     sec = Section(log, "gemm", deadline, copy_tbs)
     dev_name = _device_name()
@@ -432,7 +433,7 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
                        **best["cfg"])
             worse = [m for m, v in entry["per_m"].items() if v["best_us"] > 1.05 * v["default_us"]]
             log.advice.append(f"engine/kernels/gemm.py DECODE_CONFIGS[({dev_name!r}, {n}, {k}, 16)] = dict("
-                              + ", ".join(f"{key}={cfg[key]!r}" for key in G.DECODE_KNOBS)
+                              + ", ".join(f"{key}={cfg[key]!r}" for key in P.DECODE_KNOBS)
                               + f")  # {best['us']:.1f} us vs default {d['us']:.1f} us at M=1"
                               + (f"; SLOWER than the default at M={worse}: check per_m" if worse else ""))
         if (n, k) == DIAG_SHAPE:

@@ -50,6 +50,7 @@ from engine.formats import QTensor, grouping, parse_spec, quantize
 from engine.numerics import _FLOAT_DTYPES, Numerics
 from engine.recipe import Recipe
 
+PAGED_KERNEL_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)  # KV pages the paged kernels read
 # Weight specs with a native GEMM, and the activation specs each pairs with.
 _NATIVE_PAIRS = {
     "e4m3:128x128": ("e4m3:1x128",),
@@ -178,9 +179,9 @@ class NativeNumerics(Numerics):
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda-native' needs a CUDA GPU; none is visible (use cpu-emulated)")
         from engine.kernels import attention as attn_k  # noqa: F401  (fail early when Triton is missing)
-        from engine.kernels import gemm, quant
+        from engine.kernels import gemm, gemm_mx, quant
 
-        self._quant_k, self._gemm_k, self._attn_k = quant, gemm, attn_k
+        self._quant_k, self._gemm_k, self._mx_k, self._attn_k = quant, gemm, gemm_mx, attn_k
         self.small_m = small_m
         self.attn_block = attn_block
         self.coverage: collections.Counter[str] = collections.Counter()
@@ -257,6 +258,40 @@ class NativeNumerics(Numerics):
             self._count("query_carrier", "fallback:cast")
             return q.to(_FLOAT_DTYPES[spec])
         return self.round(q, "attn.q", module)
+
+    def pages_native(self, dtype: torch.dtype) -> bool:
+        """The paged kernels read FP8, bf16 and fp16 pages (`PAGED_KERNEL_DTYPES`); fp32 pages (the fp32 recipe's
+        cache, and formats stored as emulated values) attend through the emulation: the kernels' P.V products are
+        half precision, which an fp32 cache must not get."""
+        return dtype in PAGED_KERNEL_DTYPES
+
+    def paged_attention(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
+                        window: int | None) -> torch.Tensor:
+        """On pages the kernels read (`pages_native`): the fused quantize + scatter write (`kv_write`, bit-exact
+        with the library write) and the paged decode attention over the block table. bf16 queries travel as bf16
+        (`query_carrier`); an attention output stored in bf16 and quantized E4M3 1x128 for o_proj comes out of
+        the kernel already rounded and quantized, and o_proj takes that quantization (`fused_attn_out`). Calls
+        longer than the serving config's `fp8_paged_max_tq` on FP8 pages, and other pages, take the emulation's
+        path."""
+        from engine.kernels.paged_kv import kv_write, paged_decode_attention
+
+        rt, t = view.rt, q.shape[2]
+        cap = rt.config.fp8_paged_max_tq
+        if not rt.native_attention or (cap is not None and rt.kv.fp8 and t > cap):
+            return super().paged_attention(view, layer, q, k, v, module, window)
+        rt.kv.write(layer, view.seq_ids, view.start, k, v, kernel=kv_write)
+        q_in = self.query_carrier(q, module)
+        fused = self.fused_attn_out(module + ".o_proj")
+        ids32, lens32, qpos32 = view.kernel_rows(t)
+        out = paged_decode_attention(q_in, rt.kv, layer, seq_lens=lens32, seq_ids=ids32, q_pos=qpos32,
+                                     sliding_window=window, block_n=rt.attn_block,
+                                     num_splits=rt.splits_for(q.shape[0]),
+                                     out_quant="e4m3:1x128" if fused else None,
+                                     out_round="bf16" if fused else None, return_hp=fused)
+        if fused:
+            data, scale, hp = out
+            return self.remember_rounded(hp, data, scale, "bf16")
+        return out.float()
 
     def use_query_carrier(self) -> None:
         """Called by a caller whose attention reads the query through `query_carrier` (the paged runtime): from
@@ -402,9 +437,8 @@ class NativeNumerics(Numerics):
         static = self.recipe.static_scale(site, module) if self.recipe.scales else None
         q = quantize(w.float(), spec) if static is None else quantize(w.float(), spec, scale=static)
         nw = NativeWeight(spec, w.shape, q=q)
-        prep = getattr(self._gemm_k, "prepare_weight", None)
-        if prep is not None and spec in _NATIVE_PAIRS:
-            nw.kernel = prep(q)
+        if spec in _NATIVE_PAIRS:
+            nw.kernel = self._mx_k.prepare_weight(q)
         return nw
 
     # ---------------------------------------------------------------- linear
@@ -443,7 +477,8 @@ class NativeNumerics(Numerics):
                 y = g.fp8_tensor_linear(xq.data.reshape(-1, k), xq.scale, w.q.data, w.q.scale, bias=bias,
                                         out_dtype=out_dtype)
             elif w.spec == "mxfp8":
-                y = g.mx_linear(xq, w.kernel if w.kernel is not None else w.q, bias=bias, out_dtype=out_dtype)
+                y = self._mx_k.mx_linear(xq, w.kernel if w.kernel is not None else w.q, bias=bias,
+                                         out_dtype=out_dtype)
             else:
                 self._count("linear", f"fallback:{x_spec}x{w.spec}")
                 return None
@@ -451,8 +486,8 @@ class NativeNumerics(Numerics):
             lead, k = xq.shape[:-1], xq.shape[-1]
             x2 = xq.reshape(-1, k)
             if w.spec in ("mxfp4", "nvfp4"):
-                y = g.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q, bias=bias,
-                                out_dtype=out_dtype)
+                y = self._mx_k.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q,
+                                         bias=bias, out_dtype=out_dtype)
             else:  # float weight: cuBLAS in the weight's dtype (fp32 accumulate; TF32 off by the reference setup)
                 dt = w.kernel.dtype
                 y = F.linear(x2.to(dt), w.kernel, None if bias is None else bias.to(dt))

@@ -263,6 +263,35 @@ class Numerics:
         out = torch.matmul(probs, v)  # (batch, heads, tq, dv)
         return out.transpose(1, 2).reshape(b, tq, h * dv)  # (batch, tq, heads*dv)
 
+    # ------------------------------------------------------------------- paged KV cache
+    def pages_native(self, dtype: torch.dtype) -> bool:
+        """Whether this backend attends on KV pages of `dtype` with kernels that read the pages in place (the
+        emulation never does: it gathers each sequence's pages and runs `attention`)."""
+        return False
+
+    def paged_attention(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
+                        window: int | None) -> torch.Tensor:
+        """The paged runtime's attention: store this call's K/V (batch, kv_heads, t, d) in the pages of `view`
+        (an `engine.runtime` view: its runtime's cache, the rows' sequence ids and start positions), then attend;
+        (batch, t, heads*dv) fp32. The emulation writes through the formats library (a KV format the pages do not
+        hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
+        rt, t = view.rt, q.shape[2]
+        if rt.store_emulated:
+            k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
+        rt.kv.write(layer, view.seq_ids, view.start, k, v)
+        q_pos = view.positions(t)
+        outs = []
+        for b in range(q.shape[0]):
+            n = int(view.start[b]) + t
+            kb, vb = rt.kv.gather(layer, int(view.seq_ids[b]), n)
+            outs.append(self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
+                                       window))
+        return torch.cat(outs)
+
+    def use_query_carrier(self) -> None:
+        """Called by the paged runtime when this backend attends on its pages (`pages_native`): a backend whose
+        kernels read the query in a narrower dtype may prepare it in `rope`. The emulation has nothing to do."""
+
     # ------------------------------------------------------------------- MoE
     def router(self, x: torch.Tensor, w: torch.Tensor, module: str) -> torch.Tensor:
         """Router (gate) logits x @ w.T in the `router` compute precision (fp32 by default); returned fp32.

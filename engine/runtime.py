@@ -20,37 +20,21 @@ sweep it and the invariance eval can compare two configurations.
 
 from __future__ import annotations
 
-import os
 from collections import deque
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from engine.api import Engine
 from engine.generation import Generation, GenerationRequest, Recorder, cap_requests, finished
 from engine.kernels import sm_count
 from engine.serving import ServingConfig
 
+if TYPE_CHECKING:
+    from engine.api import Engine
+
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
 _FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PAGED_KERNEL_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)  # pages the paged kernels read
-# Longest call on FP8 pages that the Triton KV write + paged attention take; longer ones write through the
-# library quantizer and attend emulated. None: no limit (the invariance GPU suite and prompts of up to 100 tokens of
-# test_long_fp8_prompts_on_native_paged_kernels run uncapped on the H200). ENGINE_FP8_PAGED_MAX_TQ sets a limit, to
-# bisect.
-def _max_tq_from_env() -> Optional[int]:
-    """ENGINE_FP8_PAGED_MAX_TQ as a token count (unset or empty: no limit)."""
-    v = os.environ.get("ENGINE_FP8_PAGED_MAX_TQ", "").strip()
-    if not v:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"ENGINE_FP8_PAGED_MAX_TQ={v!r}: use a positive number of tokens (calls longer "
-                         "than that take the library quantizer), or unset it for no limit")
-    return int(v)
-
-
-FP8_PAGED_MAX_TQ: Optional[int] = _max_tq_from_env()
 
 
 class _PagedView:
@@ -65,7 +49,7 @@ class _PagedView:
         """(batch, t) absolute positions of this call's tokens."""
         return self.start[:, None] + torch.arange(t, device=self.start.device)
 
-    def _kernel_rows(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel_rows(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(seq_ids, seq_lens = start + t, q positions (batch, t)) as int32, shared by every layer's attention
         call of this forward (each layer used to rebuild them: 5 small launches per layer)."""
         if t not in self._rows:
@@ -76,41 +60,9 @@ class _PagedView:
 
     def attend(self, nx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                window: Optional[int]) -> torch.Tensor:
-        """Store this call's K/V (batch, kv_heads, t, d) in the pages, then attend: (batch, t, heads*dv) fp32."""
-        rt, t = self.rt, q.shape[2]
-        if rt.store_emulated:  # a KV format the pages do not hold natively: store the emulation's values
-            k, v = nx.kv_store(k, "kv.k", module), nx.kv_store(v, "kv.v", module)
-        # FP8_PAGED_MAX_TQ (module constant): calls longer than it on FP8 pages take the library write and the
-        # emulated attention
-        long_fp8 = (FP8_PAGED_MAX_TQ is not None and rt.kv.fp8 and t > FP8_PAGED_MAX_TQ
-                    and rt.device.type == "cuda")
-        rt.kv.write(layer, self.seq_ids, self.start, k, v, quantizer="library" if long_fp8 else None)
-        if rt.native_attention and not long_fp8:
-            from engine.kernels.paged_kv import paged_decode_attention
-
-            # bf16 queries travel as bf16 (the same values as the fp32-carried rounding, half the bytes); an
-            # attention output stored in bf16 and quantized E4M3 1x128 for o_proj comes out of the kernel
-            # already rounded and quantized, and o_proj takes that quantization (`NativeNumerics.fused_attn_out`)
-            q_in = nx.query_carrier(q, module) if hasattr(nx, "query_carrier") else nx.round(q, "attn.q", module)
-            fused = hasattr(nx, "fused_attn_out") and nx.fused_attn_out(module + ".o_proj")
-            ids32, lens32, qpos32 = self._kernel_rows(t)
-            out = paged_decode_attention(q_in, rt.kv, layer, seq_lens=lens32, seq_ids=ids32,
-                                         q_pos=qpos32, sliding_window=window, block_n=rt.attn_block,
-                                         num_splits=rt.splits_for(q.shape[0]),
-                                         out_quant="e4m3:1x128" if fused else None,
-                                         out_round="bf16" if fused else None, return_hp=fused)
-            if fused:
-                data, scale, hp = out
-                return nx.remember_rounded(hp, data, scale, "bf16")
-            return out.float()
-        q_pos = self.positions(t)
-        outs = []  # emulated backends: gather each sequence's pages and run the emulated attention
-        for b in range(q.shape[0]):
-            n = int(self.start[b]) + t
-            kb, vb = rt.kv.gather(layer, int(self.seq_ids[b]), n)
-            outs.append(nx.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
-                                     window))
-        return torch.cat(outs)
+        """Store this call's K/V (batch, kv_heads, t, d) in the pages, then attend: (batch, t, heads*dv) fp32
+        (the backend's `paged_attention`)."""
+        return nx.paged_attention(self, layer, q, k, v, module, window)
 
 
 class PagedRuntime:
@@ -127,7 +79,7 @@ class PagedRuntime:
         self.engine, self.config, self.device = engine, config, engine.device
         if config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs the cuda-emulated or cuda-native backend")
-        from engine.paging import PagedKVCache
+        from engine.kernels.paged_cache import PagedKVCache
 
         ks, vs = engine.recipe.spec("kv.k"), engine.recipe.spec("kv.v")
         if ks in _PAGED_K and vs in _PAGED_V:
@@ -137,11 +89,8 @@ class PagedRuntime:
         else:
             dtype, kw = torch.float32, {}
         self.store_emulated = dtype == torch.float32 and not (ks == vs == "fp32")
-        # cuda-native attends with the paged kernels on the pages they read (FP8, bf16, fp16: PAGED_KERNEL_DTYPES);
-        # fp32 pages (the fp32 recipe's cache, and formats stored as emulated values) and the emulated backends
-        # attend through `nx.attention` on the gathered pages: the kernels' P.V products are half precision,
-        # which an fp32 cache must not get (and fp32 pages are outside what they were validated on)
-        self.native_attention = engine.backend == "cuda-native" and dtype in PAGED_KERNEL_DTYPES
+        # whether the backend's kernels attend on these pages in place (`Numerics.pages_native`)
+        self.native_attention = engine.nx.pages_native(dtype)
         # The gathered-page attention reads each sequence's length on the host, which a CUDA graph cannot hold:
         # only a step on the paged kernels is captured (`graphs`); the others run eager, counted in the engine's
         # work as decode steps without `decode_graph_steps`.
@@ -159,7 +108,7 @@ class PagedRuntime:
         self.attn_block = getattr(engine.nx, "attn_block", 64)
         if self.native_attention:  # the kernels read bf16 queries: RoPE writes them in its own launch
             for nx in (engine.nx, getattr(engine, "hp_nx", None)):
-                if hasattr(nx, "use_query_carrier"):
+                if nx is not None:
                     nx.use_query_carrier()
         # None: `splits_for` picks the paged decode kernel's split count per batch size (set it to fix one count)
         self.num_splits: int | None = None

@@ -17,7 +17,10 @@ class ServingConfig:
     call (None: whole prompt); cuda_graphs: capture and replay the decode step (CUDA only);
     prefix_cache: a prompt that starts with whole pages another live sequence already holds reuses
     them (a hit) and prefills only the rest -- with FP8 KV the reused pages carry the scales of the
-    call that wrote them, so a hit can differ from a miss (the invariance eval measures it).
+    call that wrote them, so a hit can differ from a miss (the invariance eval measures it);
+    fp8_paged_max_tq: on the native backend, calls of more tokens than this on FP8 pages write through the
+    formats library and attend emulated instead of on the paged kernels (None: no limit, the default; a bound
+    to bisect a paged-kernel fault with).
     """
 
     kv_block_size: int = 16
@@ -26,6 +29,7 @@ class ServingConfig:
     prefill_chunk: Optional[int] = None
     cuda_graphs: bool = False
     prefix_cache: bool = False
+    fp8_paged_max_tq: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kv_block_size not in KV_BLOCK_SIZES:
@@ -35,3 +39,8 @@ class ServingConfig:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
+        if self.fp8_paged_max_tq is not None and (not isinstance(self.fp8_paged_max_tq, int)
+                                                  or isinstance(self.fp8_paged_max_tq, bool)
+                                                  or self.fp8_paged_max_tq < 1):
+            raise ValueError(f"fp8_paged_max_tq must be a positive number of tokens or None (no limit), got "
+                             f"{self.fp8_paged_max_tq!r}")

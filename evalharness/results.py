@@ -148,3 +148,18 @@ def iter_results(results_dir: str | Path) -> Iterator[tuple[Path, dict[str, Any]
         if p.name in ("suite.json",) or p.name.startswith("."):
             continue
         yield p, load_result(p)
+
+
+def load_dir(results_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(suite manifest or {}, result documents) of a results dir."""
+    d = Path(results_dir)
+    manifest = {}
+    if (d / "suite.json").exists():
+        try:
+            manifest = json.loads((d / "suite.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ResultError(f"{d / 'suite.json'}: corrupt JSON ({exc})") from None
+    docs = [doc for _, doc in iter_results(d)]
+    if not docs:
+        raise ResultError(f"{d}: no result files (run `evalharness run SUITE --out {d}` first)")
+    return manifest, docs

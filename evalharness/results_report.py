@@ -20,14 +20,13 @@ config of each (model, recipe) appears in the plots (the table has them all).
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from evalharness.errors import ResultError
-from evalharness.results import iter_results
+from evalharness.plotting import pyplot
+from evalharness.results import load_dir
 
 _LAYER_TAP = re.compile(r"^layer_error\.layers\.(\d+)\.resid_out\.rel_l2$")
 _TASK_DELTA = re.compile(r"^tasks\.(.+)\.delta$")
@@ -51,31 +50,6 @@ def _ci(m: dict[str, Any], key: str) -> str:
     if lo is None or hi is None:
         return _fmt(m[key])
     return f"{_fmt(m[key])} [{_fmt(lo)}, {_fmt(hi)}]"
-
-
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def load_dir(results_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(suite manifest or {}, result documents) of a results dir."""
-    d = Path(results_dir)
-    manifest = {}
-    if (d / "suite.json").exists():
-        try:
-            manifest = json.loads((d / "suite.json").read_text())
-        except json.JSONDecodeError as exc:
-            raise ResultError(f"{d / 'suite.json'}: corrupt JSON ({exc})") from None
-    docs = [doc for _, doc in iter_results(d)]
-    if not docs:
-        raise ResultError(f"{d}: no result files (run `evalharness run SUITE --out {d}` first)")
-    return manifest, docs
 
 
 def _names(doc: dict[str, Any]) -> tuple[str, str, str]:
@@ -137,7 +111,7 @@ def plot_error_vs_depth(model: str, runs: dict[str, dict[str, Any]], path: Path)
             series[recipe] = pts
     if not series:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for recipe, pts in series.items():
         ax.plot([p[0] for p in pts], [max(p[1], 1e-12) for p in pts], marker="o", label=recipe)
@@ -165,7 +139,7 @@ def _interval_plot(model: str, runs: dict[str, dict[str, Any]], key: str, ylabel
         rows = [r for r in rows if r[1] > 0]  # fp32 has KLD 0: nothing to draw on a log axis
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 2), 4))
     xs = range(len(rows))
     vals = [r[1] for r in rows]
@@ -194,7 +168,7 @@ def plot_task_deltas(model: str, runs: dict[str, dict[str, Any]], path: Path) ->
     tasks = sorted({m.group(1) for d in runs.values() for k in d["metrics"] if (m := _TASK_DELTA.match(k))})
     if not tasks:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks) + 2), 4))
     recipes = list(runs)
     width = 0.8 / max(len(recipes), 1)

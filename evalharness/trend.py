@@ -72,7 +72,7 @@ def gated_metrics(manifest: dict[str, Any], docs: list[dict[str, Any]], explicit
 
 def collect(dirs: list[str | Path], metrics: list[str] | None = None) -> dict[str, Any]:
     """Load the dirs and build {dates, dirs, metrics: {metric: {run_key: [value per date | None]}}}."""
-    from evalharness.results_report import load_dir
+    from evalharness.results import load_dir
 
     loaded = []
     for d in dirs:
@@ -109,9 +109,9 @@ def _last_change(values: list[float | None]) -> tuple[float | None, float | None
 
 def plot_metric(metric: str, dates: list[str], rows: dict[str, list[float | None]], path: Path) -> Path:
     """One line per run key over the dates."""
-    from evalharness.results_report import _pyplot
+    from evalharness.plotting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = list(range(len(dates)))
     for key, vals in rows.items():

@@ -6,6 +6,7 @@ own namespace and `paged_cache` import with torch alone (the CPU runtime uses th
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -18,3 +19,10 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kernel_device_ok(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on t's device: CUDA, or CPU tensors under Triton's own interpreter switch
+    (`TRITON_INTERPRET=1`, read by Triton at import; this is the engine's one read of it). It never changes what
+    a kernel computes."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -33,13 +33,13 @@ shared with the paged decode kernel.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import kernel_device_ok
 from engine.kernels.quant import _round_bf16
 
 LOG2E = 1.4426950408889634
@@ -281,7 +281,7 @@ def _check_dtype(x: torch.Tensor, name: str) -> None:
     """Attention inputs are fp32 / bf16 / fp16 / float8_e4m3fn CUDA tensors (CPU under TRITON_INTERPRET=1)."""
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {x.dtype} not supported; use one of {[str(d) for d in _DTYPES]}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernel_device_ok(x):
         raise ValueError(f"{name}: the Triton attention kernels need CUDA tensors (got device {x.device})")
 
 

@@ -11,7 +11,8 @@ K split s (all of K with one split). Two orientations:
 * ``swap``: 64 weight rows on the M side and the activation rows on the N side (M rounded up to 8 / 16 / 32 / 64),
   with ``splits`` K splits whose partials the last split of each tile sums (the split-K kernel's fused reduce) --
   ``fp8_block_gemm_triton(..., wgmma=True, split_k=S)``: the H200's BM-16 / BM-32 entries for the Llama-3-8B decode
-  shapes, and on sm_90 every decode call (M 2-32) without an entry, planned by ``engine.kernels.gemm.wgmma_plan``.
+  shapes, and on sm_90 every decode call (M 2-32) without an entry, planned by
+  ``engine.kernels.decode_plan.wgmma_plan``.
 
 The loop:
 
@@ -41,10 +42,10 @@ Measured (H200, 2026-11-30):
   in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6 / 19.1
   for the split-K kernel. Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8% faster with the four BM-16
   entries.
-* the reduce's partials loaded 2 / 4 per L2 round trip (`engine.kernels.gemm.reduce_burst`): 4096x14336 at M = 4
+* the reduce's partials loaded 2 / 4 per L2 round trip (`engine.kernels.splitk.reduce_burst`): 4096x14336 at M = 4
   one call 21.5 -> 20.6 us. With 32 activation rows the kernel also serves the H200's BM-32 entries (M 17-32): the
   Llama-3-8B decode step at batch 24 / 32 is 10% / 13% faster than on split-K.
-* on 57 decode shapes without an entry, the rule's plan (`engine.kernels.gemm.wgmma_plan`) takes 0.85-0.88x the
+* on 57 decode shapes without an entry, the rule's plan (`engine.kernels.decode_plan.wgmma_plan`) takes 0.85-0.88x the
   split-K heuristic's time per sweep (geometric means, CUDA graph); a Qwen2.5-7B-shaped decode step at batch
   4 / 16 / 32 is 2% / 2% / 8% faster.
 """
@@ -189,8 +190,8 @@ def _finish(acc, idx, mask, on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr, c
     """Store the program's tile acc at out[idx] (+ bias, rounded to bf16 values when asked); with SPLIT, store it as
     split pid_s's partial part[pid_s][idx] instead, and the last split of the tile to arrive at its counter
     cnt_ptr[pid] sums all partials in split order from zero, adds the bias, rounds and stores: the fp32 operations of
-    `engine.kernels.gemm._last_split_reduce`, so the bits of the split-K kernel's fused reduce (RED = 1 / 2 / 4
-    partials loaded per L2 round trip: `engine.kernels.gemm.reduce_burst`)."""
+    `engine.kernels.splitk._last_split_reduce`, so the bits of the split-K kernel's fused reduce (RED = 1 / 2 / 4
+    partials loaded per L2 round trip: `engine.kernels.splitk.reduce_burst`)."""
     if SPLIT:
         mn = M.to(gl.int64) * N
         gl.store(part_ptr + pid_s * mn + idx, acc, mask=mask)
@@ -461,14 +462,14 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
            block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False,
            splits: int = 1, swap: bool = False, times: Optional[torch.Tensor] = None) -> None:
     """out (M, N) = x @ w^T (+ bias; rounded to bf16 values when round_bf16) with `_fp8_rows_gemm_kernel`; the
-    caller has checked `usable`. Scales as `engine.kernels.gemm._launch_fp8` (strides of x_scale (M, Kb) and
+    caller has checked `usable`. Scales as `engine.kernels.gemm_fp8._launch_fp8` (strides of x_scale (M, Kb) and
     w_scale (Nb, Kb)). splits > 1: K split as `split_plan` says, the splits' partials summed in split order by the
     last split of each tile (the split-K kernel's fused reduce: calls must run in stream order). times: an int64
     (programs, 5) buffer for the TIMES probe build."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from engine.kernels import sm_count
-    from engine.kernels.gemm import _tile_counters, reduce_burst
+    from engine.kernels.splitk import _tile_counters, reduce_burst
     from engine.kernels.pdl import launch_opts
 
     m, k = x.shape

@@ -14,12 +14,11 @@ does and scatters it into the pages on the device (no host sync):
 * V `e4m3:1x128`: one scale per (token, kv_head, 128-group of head_dim);
   `e4m3:token`: one scale per (token, kv_head), stored in every group slot.
 
-Two bit-identical write paths: `quantizer="library"` calls
-`engine.formats.quantize` itself (the reference, and the path on CPU);
-`"triton"` (default on CUDA) is one fused quantize + scatter kernel
-(`engine.kernels.paged_kv.kv_write`, imported only when used), tested
-bit-exact against the library. bf16 / fp16 / fp32 caches store the values
-cast, with no scales.
+Two bit-identical write paths: `write` calls `engine.formats.quantize` itself
+(the reference, and the emulated backends' path); `write(..., kernel=kv_write)`
+runs one fused quantize + scatter kernel (`engine.kernels.paged_kv.kv_write`,
+passed in by the native backend's `paged_attention`), tested bit-exact against
+the library. bf16 / fp16 / fp32 caches store the values cast, with no scales.
 
 This module imports no Triton, so the CPU runtime and CI can use the cache;
 `engine.kernels.paged_kv` holds the kernels (paged decode attention, write).
@@ -28,7 +27,7 @@ This module imports no Triton, so the CPU runtime and CI can use the cache;
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -69,7 +68,7 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  head_dim_v: Optional[int] = None, *, dtype: torch.dtype = _FP8, max_seqs: int = 64,
                  max_blocks_per_seq: Optional[int] = None, k_spec: str = "e4m3:head", v_spec: str = "e4m3:1x128",
-                 device: Union[str, torch.device] = "cuda", quantizer: str = "auto", v_layout: str = "auto"):
+                 device: Union[str, torch.device] = "cuda", v_layout: str = "auto"):
         if block_size not in PAGE_SIZES:
             raise ValueError(f"block_size {block_size}: use one of {PAGE_SIZES}")
         if dtype not in (_FP8, torch.bfloat16, torch.float16, torch.float32):
@@ -82,11 +81,6 @@ class PagedKVCache:
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.dtype, self.k_spec, self.v_spec = dtype, k_spec, v_spec
         self.device = torch.device(device)
-        if quantizer not in ("auto", "triton", "library"):
-            raise ValueError(f"quantizer {quantizer!r}: use 'auto', 'triton' or 'library'")
-        # triton: one fused quantize+scatter kernel per write (no sync, graph-capturable); library: the
-        # engine.formats.quantize calls themselves (the reference, and the path on CPU)
-        self.quantizer = ("triton" if self.device.type == "cuda" else "library") if quantizer == "auto" else quantizer
         if v_layout not in ("auto",) + V_LAYOUTS:
             raise ValueError(f"v_layout {v_layout!r}: use 'auto', 'token' or 'dim'")
         self.v_layout = ("dim" if dtype == _FP8 else "token") if v_layout == "auto" else v_layout
@@ -172,14 +166,16 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ write
     def write(self, layer: int, seq_ids: IntsLike, start: IntsLike, k: torch.Tensor, v: torch.Tensor,
-              quantizer: Optional[str] = None) -> None:
+              kernel: Optional[Callable[..., None]] = None) -> None:
         """Quantize and store one chunk: token j of row b goes to position start[b] + j of sequence seq_ids[b].
 
         k: (batch, kv_heads, t, head_dim), v: (batch, kv_heads, t, head_dim_v) (the `Numerics.kv_store`
         layout); seq_ids, start: (batch,) ints or int tensors (device tensors: no host work at all, and no
         capacity check: positions beyond the allocated pages land in the trash page). Updates seq_lens to
         max(seq_len, start + t) on the device.
-        `quantizer` overrides the cache's write path ("library" / "triton") for this call only.
+        `kernel`: a fused quantize + scatter kernel called as ``kernel(cache, layer, seq_ids, start, k, v,
+        update_lens=True)`` (`engine.kernels.paged_kv.kv_write`: no sync, graph-capturable); None: the formats
+        library's quantization and torch indexing (the reference).
         """
         if k.dim() != 4 or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.kv_heads, self.head_dim):
             raise ValueError(f"k must be (batch, {self.kv_heads}, t, {self.head_dim}), got {tuple(k.shape)}")
@@ -202,10 +198,8 @@ class PagedKVCache:
         dev = self.device
         sid = _to_device(torch.as_tensor(seq_ids).reshape(-1).expand(b), dev).long()
         st = _to_device(torch.as_tensor(start).reshape(-1).expand(b), dev).long()
-        if (quantizer or self.quantizer) == "triton":
-            from engine.kernels.paged_kv import kv_write
-
-            kv_write(self, layer, sid, st, k, v, update_lens=True)  # seq_lens raised in the same launch
+        if kernel is not None:
+            kernel(self, layer, sid, st, k, v, update_lens=True)  # seq_lens raised in the same launch
         else:
             self._write_library(layer, sid, st, k, v)
             self.seq_lens[sid] = torch.maximum(self.seq_lens[sid], (st + t).to(torch.int32))

@@ -356,7 +356,7 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
     (e4m3:head, NaN-propagating like the library's): for up to `HEAD_AMAX_MAX_TOKENS` (row, token) pairs every
     program of the one launch computes its head's amax itself, else one torch reduction runs first.
     `update_lens`: also raise cache.seq_lens[sid] to st + t in the same launch. Reference: the cache's "library"
-    write path (`PagedKVCache(quantizer="library")`)."""
+    write path (`PagedKVCache.write` without a kernel)."""
     b, h, t, _ = k.shape
     per_head = cache.fp8 and cache.k_spec == "e4m3:head"
     in_kernel = per_head and b * t <= HEAD_AMAX_MAX_TOKENS

@@ -24,21 +24,21 @@ Kernels take a `PDL: tl.constexpr = False` argument, so the CPU interpreter, the
 caller that does not ask get unchanged code. `launch_opts(t)` returns the keyword arguments for a
 launch on t's device. PDL changes when programs run, never what they compute: bits are identical.
 
-Switch: `ENGINE_PDL=0` in the environment (read at import) or `set_enabled(False)` turns it off, for
-A/B measurements (`benchmarks/bench_e2e.py --pdl`).
+Switch: `set_enabled(False)` turns it off, for A/B measurements (`benchmarks/bench_e2e.py --pdl`); no
+environment variable changes it. A result records the setting (`Engine.kernel_settings`, the result's
+`provenance.kernels`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_ENABLED = os.environ.get("ENGINE_PDL", "1") != "0"
+_ENABLED = True
 
 
 def set_enabled(on: bool) -> bool:

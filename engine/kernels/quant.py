@@ -32,13 +32,12 @@ returned normed values.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import sm_count
+from engine.kernels import kernel_device_ok, sm_count
 from engine.kernels.pdl import launch_opts, pdl_enter
 
 GROUP = 128
@@ -403,7 +402,7 @@ def _swiglu_quant_kernel(g_ptr, u_ptr, out_ptr, scale_ptr, hp_ptr, M, K, n_group
 # --------------------------------------------------------------------- wrappers
 def _check_device(x: torch.Tensor, name: str) -> None:
     """The Triton quant kernels run on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernel_device_ok(x):
         raise ValueError(f"{name}: the Triton quant kernels need CUDA tensors (got device {x.device})")
 
 
@@ -417,12 +416,12 @@ def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
     return x.numel() // max(k, 1), k, triton.cdiv(k, GROUP)
 
 
-FAST_DIVISION = os.environ.get("ENGINE_FAST_QDIV", "1") != "0"  # see `_quant_groups`; ENGINE_FAST_QDIV=0: IEEE only
+FAST_DIVISION = True  # see `_quant_groups`; False: IEEE division only (same bits; recorded by `Engine.kernel_settings`)
 
 
 def fast_division(x: torch.Tensor) -> bool:
     """Whether the quant kernels may take the fast path (`_quant_groups_fast`, same bits): on NVIDIA CUDA (it
-    uses inline PTX), unless ENGINE_FAST_QDIV=0 (or `FAST_DIVISION` set False); never under the CPU
+    uses inline PTX), unless `FAST_DIVISION` is set False; never under the CPU
     interpreter, whose fma rounds twice, nor on a ROCm build (where `is_cuda` is also true)."""
     return FAST_DIVISION and x.is_cuda and torch.version.hip is None
 

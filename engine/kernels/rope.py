@@ -24,12 +24,12 @@ sequence at its own position), read with stride 0 over the broadcast dims. Outpu
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import kernel_device_ok
 from engine.kernels.pdl import launch_opts, pdl_enter
 from engine.kernels.quant import _round_bf16
 
@@ -95,7 +95,7 @@ ROPE_MAX_HEAD_DIM = 1024  # one program holds BH x d/2 pairs in registers; real 
 
 def _check_qk(x: torch.Tensor, name: str) -> None:
     """x must be a (batch, heads, t, d) fp32 CUDA tensor (CPU under TRITON_INTERPRET=1) with unit stride on d."""
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernel_device_ok(x):
         raise ValueError(f"{name}: the Triton RoPE kernel needs CUDA tensors (got device {x.device}); "
                          "use engine.rope.apply_rope on CPU")
     if x.dim() != 4:

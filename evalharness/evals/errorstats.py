@@ -26,16 +26,14 @@ import math
 
 import torch
 
-# Histogram of |error| on log10 scale: bins cover 1e-12 .. 1e6; zeros (and anything <= 1e-12) go to bin 0.
-LOG_LO, LOG_HI, BINS = -12.0, 6.0, 720
+from evalharness.evals.errorlayout import BINS, LOG_HI, LOG_LO, N_SUMS, STATE_SIZE
+
 # Each bin spans (HI - LO) / BINS = 0.025 decades: its upper edge is 10**0.025 = 1.0593x its lower edge.
 BIN_RATIO = 10 ** ((LOG_HI - LOG_LO) / BINS)
 # histc puts x == max into the last bin; clamping just below it keeps huge errors (and inf) there too.
 _LOG_TOP = LOG_HI - 0.5 * (LOG_HI - LOG_LO) / BINS
 # The statistics of `ErrorAccumulator.result` that measure the error (NaN when the engine had non-finite entries).
 ERROR_STATS = ("rel_l2", "cosine", "sqnr_db", "max_abs", "mean_abs", "p50_abs", "p99_abs", "p999_abs")
-STATE_SIZE = 8
-N_SUMS = 6  # state[:6] are sums, state[6:] maxima
 EE, ER, RR, DD, ABS_D, COUNT, MAX_D, MAX_R = range(STATE_SIZE)
 
 

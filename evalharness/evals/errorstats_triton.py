@@ -24,13 +24,13 @@ reused by every call: kernels of one stream run in order, so calls never overlap
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from evalharness.evals.errorstats import BINS, LOG_HI, LOG_LO, STATE_SIZE
+from engine.kernels import kernel_device_ok
+from evalharness.evals.errorlayout import BINS, LOG_HI, LOG_LO, STATE_SIZE
 
 MAX_PROGRAMS = 1024
 BINS_P2 = 1024  # register histogram width (a power of two >= BINS); bin BINS_P2 - 1 collects masked lanes
@@ -135,7 +135,7 @@ def fold(e: torch.Tensor, r: torch.Tensor, state: torch.Tensor, hist: torch.Tens
     CUDA tensors (CPU under TRITON_INTERPRET=1), all on one device; no host sync. Tiling knobs
     (`block` elements per step, a power of two; `num_warps`): None takes `FOLD_DEFAULTS`; they change
     the summation order, never the counts. Reference: `evalharness.evals.errorstats.fold_reference`."""
-    if not (e.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernel_device_ok(e):
         raise ValueError(f"errorstats fold: the Triton kernels need CUDA tensors (got device {e.device})")
     for name, t, shape, dtype in (("e", e, (e.numel(),), None), ("r", r, (e.numel(),), None),
                                   ("state", state, (STATE_SIZE,), torch.float64), ("hist", hist, (BINS,), torch.float64)):

@@ -125,16 +125,13 @@ def test_prefix_cache_hit_reuses_pages(tiny):
         assert (gap <= 1e-4) if same else (gap > 1e-3), (recipe, gap)
 
 
-def test_fp8_paged_max_tq_env(monkeypatch):
-    """ENGINE_FP8_PAGED_MAX_TQ: unset -> no limit (the default), a token count -> that limit, anything
-    else -> an error naming the variable."""
-    import engine.runtime as R
+def test_fp8_paged_max_tq_is_a_serving_option():
+    """fp8_paged_max_tq: None (no limit) by default, a positive token count, anything else an error naming the
+    option."""
+    from engine.serving import ServingConfig
 
-    monkeypatch.delenv("ENGINE_FP8_PAGED_MAX_TQ", raising=False)
-    assert R._max_tq_from_env() is None
-    monkeypatch.setenv("ENGINE_FP8_PAGED_MAX_TQ", "16")
-    assert R._max_tq_from_env() == 16
-    for bad in ("0", "-4", "sixteen"):
-        monkeypatch.setenv("ENGINE_FP8_PAGED_MAX_TQ", bad)
-        with pytest.raises(ValueError, match="ENGINE_FP8_PAGED_MAX_TQ"):
-            R._max_tq_from_env()
+    assert ServingConfig().fp8_paged_max_tq is None
+    assert ServingConfig(fp8_paged_max_tq=16).fp8_paged_max_tq == 16
+    for bad in (0, -4, "16", True):
+        with pytest.raises(ValueError, match="fp8_paged_max_tq"):
+            ServingConfig(fp8_paged_max_tq=bad)

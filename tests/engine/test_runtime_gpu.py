@@ -8,6 +8,8 @@ step logits stay within KL 1e-3 of the emulation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,13 +88,12 @@ def test_native_runtime_matches_emulated_generate(zoo, recipe):
 @pytest.mark.parametrize("block,chunk", [(16, None), (64, 32)])
 def test_long_fp8_prompts_on_native_paged_kernels(zoo, monkeypatch, block, chunk):
     """Prompts of 33-100 tokens on FP8 pages through the Triton KV write and paged attention -- the path that
-    `attend` sent through the library quantizer and the emulated attention when `FP8_PAGED_MAX_TQ` = 16 (the cap
+    the native backend sends through the library write and the emulated attention with `fp8_paged_max_tq` = 16 (the cap
     that once worked around an illegal memory access: 64-token calls, zoo-llama fp8-kv, batch 4). Uncapped (the
     default): no CUDA error, and the prompt's last logits are as close to the capped path's as the
     emulation is to fp32 (KL <= 2 KL(R||capped) + 1e-3, the bound of `test_native_runtime_matches_emulated_generate`:
     the two differ only in the attention's accumulation order, which re-draws FP8 roundings downstream)."""
     import engine.kernels.paged_kv as PK
-    import engine.runtime as R
     from engine.api import Engine
     from engine.runtime import PagedRuntime
     from engine.serving import ServingConfig
@@ -101,8 +102,8 @@ def test_long_fp8_prompts_on_native_paged_kernels(zoo, monkeypatch, block, chunk
     prompts = [[1] + torch.randint(3, 250, (n - 1,), generator=g).tolist() for n in (70, 33, 64, 100)]
     cfg = ServingConfig(kv_block_size=block, max_batch=4, max_tokens=128, prefill_chunk=chunk)
     eng, f32 = Engine(zoo, "fp8-kv", backend="cuda-native"), Engine(zoo, "fp32", backend="cuda-emulated")
-    monkeypatch.setattr(R, "FP8_PAGED_MAX_TQ", 16)  # the old workaround
-    _, capped = PagedRuntime(eng, cfg).generate(prompts, 4, return_logits=True)
+    capped_cfg = dataclasses.replace(cfg, fp8_paged_max_tq=16)  # the old workaround
+    _, capped = PagedRuntime(eng, capped_cfg).generate(prompts, 4, return_logits=True)
     kernel, long_calls = PK.paged_decode_attention, []
 
     def counting(q, *args, **kw):
@@ -110,7 +111,6 @@ def test_long_fp8_prompts_on_native_paged_kernels(zoo, monkeypatch, block, chunk
         return kernel(q, *args, **kw)
 
     monkeypatch.setattr(PK, "paged_decode_attention", counting)
-    monkeypatch.setattr(R, "FP8_PAGED_MAX_TQ", None)  # the default
     _, native = PagedRuntime(eng, cfg).generate(prompts, 4, return_logits=True)
     torch.cuda.synchronize()  # an illegal access surfaces here at the latest
     assert any(long_calls), "no multi-token call reached the paged kernel"

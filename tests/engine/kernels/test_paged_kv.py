@@ -20,6 +20,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
 
 
 # ------------------------------------------------------------- cache writes
+def _write(cache, *args, kernel: bool | None = None) -> None:
+    """`cache.write(*args)` through the fused write kernel (`kv_write`, as the native backend writes; the default
+    on CUDA) or the formats library (kernel=False; the default on CPU tensors)."""
+    from engine.kernels.paged_kv import kv_write
+
+    cache.write(*args, kernel=kv_write if (DEV == "cuda" if kernel is None else kernel) else None)
+
+
 def _kv_store(x: torch.Tensor, site: str) -> torch.Tensor:
     """The emulation's cache write (fp8-kv recipe: K e4m3:head, V e4m3:1x128), dequantized."""
     from engine.numerics import Numerics
@@ -49,7 +57,7 @@ def _fill(cache, layer: int, lens: list[int], chunk: int, seed: int):
         for t, seqs in groups.items():
             k = _rand(len(seqs), hkv, t, d, seed=seed + 97 * r + t, scale=1.0 + r, dtype=torch.float32)
             v = _rand(len(seqs), hkv, t, dv, seed=seed + 89 * r + t + 1, dtype=torch.float32)
-            cache.write(layer, seqs, [done[s] for s in seqs], k, v)
+            _write(cache, layer, seqs, [done[s] for s in seqs], k, v)
             calls.append((seqs, [done[s] for s in seqs], k, v))
             ek, ev = _kv_store(k, "kv.k"), _kv_store(v, "kv.v")
             for i, s in enumerate(seqs):
@@ -101,7 +109,7 @@ def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv, v_layo
     from engine.kernels.paged_kv import PagedKVCache
 
     caches = [PagedKVCache(1, 40, 16, 2, dk, dv, k_spec=k_spec, v_spec=v_spec, max_seqs=3, device=DEV,
-                           quantizer=qz, v_layout=lay) for qz, lay in (("library", "token"), ("triton", v_layout))]
+                           v_layout=lay) for lay in ("token", v_layout)]
     assert (caches[1].v_data(0).stride(-1) == 1) == (v_layout == "token")
     for c in caches:
         for s in range(3):
@@ -120,11 +128,11 @@ def test_paged_cache_kernel_write_matches_library(k_spec, v_spec, dk, dv, v_layo
             k[1, 1, 0, 3] = float("nan")
             v[2, 0, 0, dv - 1] = float("nan")
         calls.append((ids, starts, k, v))
-    for c in caches:
+    for j, c in enumerate(caches):  # caches[0]: the library write, caches[1]: the kernel
         for i, (ids, starts, k, v) in enumerate(calls):
             if i == 3:  # device tensors: no host-side bookkeeping at all
                 ids, starts = torch.tensor(ids, device=DEV), torch.tensor(starts, device=DEV)
-            c.write(0, ids, starts, k, v)
+            _write(c, 0, ids, starts, k, v, kernel=j == 1)
     for s in range(3):
         lib, tri = caches[0].gather(0, s, dequantize=False), caches[1].gather(0, s, dequantize=False)
         assert _bits_equal(lib[0], tri[0]) and _bits_equal(lib[2], tri[2]), f"sequence {s} data"
@@ -144,7 +152,7 @@ def test_kv_write_head_amax_in_kernel_same_bits(monkeypatch):
     # the interpreter: one V layout (test_paged_cache_kernel_write_matches_library writes both there too)
     for v_layout in by_device(("dim", "token"), ("dim",)):
         caches = [PagedKVCache(1, 48, 16, 3, 64, 64, k_spec="e4m3:head", v_spec="e4m3:1x128", max_seqs=4, device=DEV,
-                               quantizer="triton", v_layout=v_layout) for _ in range(2)]
+                               v_layout=v_layout) for _ in range(2)]
         for c in caches:
             for s in range(4):
                 c.allocate(s, 120)
@@ -165,7 +173,7 @@ def test_kv_write_head_amax_in_kernel_same_bits(monkeypatch):
         for i, c in enumerate(caches):
             monkeypatch.setattr(paged_kv, "HEAD_AMAX_MAX_TOKENS", 64 if i else 0)
             for ids, starts, k, v in calls:
-                c.write(0, ids, starts, k, v)
+                _write(c, 0, ids, starts, k, v, kernel=True)
         for s in range(4):
             a, b = caches[0].gather(0, s, dequantize=False), caches[1].gather(0, s, dequantize=False)
             assert _bits_equal(a[0], b[0]) and _bits_equal(a[2], b[2]), (v_layout, s)
@@ -182,11 +190,11 @@ def test_paged_cache_bf16_and_allocation():
     k, v = _rand(1, 2, 40, 64, seed=30, dtype=torch.float32), _rand(1, 2, 40, 64, seed=31, dtype=torch.float32)
     cache.allocate(0, 40)
     assert cache.free_blocks() == 5
-    cache.write(0, [0], [0], k, v)
+    _write(cache, 0, [0], [0], k, v)
     kg, vg = cache.gather(0, 0)
     assert torch.equal(kg, k.bfloat16().float()) and torch.equal(vg, v.bfloat16().float())
     with pytest.raises(ValueError, match="allocate"):
-        cache.write(0, [0], [40], k[:, :, :9], v[:, :, :9])
+        _write(cache, 0, [0], [40], k[:, :, :9], v[:, :, :9])
     cache.free(0)
     assert cache.free_blocks() == 8 and cache.seq_lens[0].item() == 0
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
@@ -343,7 +351,7 @@ def test_paged_decode_ignores_nan_bytes_past_the_end(v_layout):
     _fill(cache, 0, [100], chunk=100, seed=95)
     v = _rand(1, 2, 10, 128, seed=96, dtype=torch.float32)
     v[:, :, :, 5] = float("nan")
-    cache.write(0, [0], [90], _rand(1, 2, 10, 128, seed=97, dtype=torch.float32), v)  # tokens 90..99: NaN V
+    _write(cache, 0, [0], [90], _rand(1, 2, 10, 128, seed=97, dtype=torch.float32), v)  # tokens 90..99: NaN V
     q = _rand(1, 8, 1, 128, seed=98)
     lens = torch.tensor([90], device=DEV, dtype=torch.int32)
     assert torch.isnan(paged_decode_attention(q, cache, 0)).any()  # the NaN is there for the full length
@@ -379,7 +387,7 @@ def test_paged_decode_nan_in_v_propagates():
     v = _rand(1, 2, 1, 128, seed=61, dtype=torch.float32)
     v[0, 1, 0, 7] = float("nan")
     cache.allocate(1, 121)
-    cache.write(0, [1], [120], _rand(1, 2, 1, 128, seed=62, dtype=torch.float32), v)
+    _write(cache, 0, [1], [120], _rand(1, 2, 1, 128, seed=62, dtype=torch.float32), v)
     out = paged_decode_attention(_rand(2, 4, 1, 128, seed=63), cache, 0)
     assert torch.isfinite(out[0]).all()
     heads = out[1].reshape(1, 4, 128)
@@ -395,7 +403,7 @@ def _cache(page: int, lens: list[int], seed: int):
     cache = PagedKVCache(1, sum(-(-n // page) for n in lens), page, 2, 128, max_seqs=len(lens), device=DEV)
     for s, n in enumerate(lens):
         cache.allocate(s, n)
-        cache.write(0, [s], [0], _rand(1, 2, n, 128, seed=seed + s, scale=1.0 + s, dtype=torch.float32),
+        _write(cache, 0, [s], [0], _rand(1, 2, n, 128, seed=seed + s, scale=1.0 + s, dtype=torch.float32),
                     _rand(1, 2, n, 128, seed=seed + 50 + s, dtype=torch.float32))
     return cache
 

@@ -721,7 +721,7 @@ def test_tiny_amax_is_outside_the_fast_domain(amax):
 
 def test_fast_division_is_never_used_off_cuda(monkeypatch):
     """The kernels take the fast division only on NVIDIA CUDA (the interpreter's fma rounds twice; the fast path
-    is inline PTX), and ENGINE_FAST_QDIV=0 (`FAST_DIVISION`) turns it off there too."""
+    is inline PTX), and `FAST_DIVISION = False` turns it off there too."""
     from engine.kernels import quant
 
     cpu = torch.zeros(1)

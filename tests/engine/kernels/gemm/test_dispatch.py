@@ -19,6 +19,9 @@ import pytest
 import torch
 
 from engine.kernels import gemm as G
+from engine.kernels import decode_plan as P
+from engine.kernels import gemm_fp8 as GF
+from engine.kernels import splitk as SK
 from engine.kernels import gemm_wgmma as GW
 from tests.engine.kernels.gemm.common import TOL, TOL_INTERPRETER, Launch, block_operands, rel
 from tests.engine.kernels.gemm.common import zero_operands as _operands
@@ -26,15 +29,15 @@ from tests.engine.kernels.gemm.common import zero_operands as _operands
 GEMM_TOL = TOL[torch.float32]
 
 
-@pytest.mark.parametrize("key", sorted(G.DECODE_CONFIGS))
+@pytest.mark.parametrize("key", sorted(P.DECODE_CONFIGS))
 def test_every_table_entry_is_runnable(key):
     """Only known knobs; a whole-K entry plans for the largest M of its tile (BM rows) with its default stages; a
     split-K entry's block_n divides the 128-row scale blocks and its split count leaves no split empty."""
     _, n, k, bm = key
-    knobs = G.DECODE_CONFIGS[key]
-    assert set(knobs) <= set(G.DECODE_KNOBS)
-    assert all(G._KNOB_VALUES[name][0](v) for name, v in knobs.items())  # what an entry file may hold, too
-    bn = knobs.get("block_n") or G._tiles(bm)[1]
+    knobs = P.DECODE_CONFIGS[key]
+    assert set(knobs) <= set(P.DECODE_KNOBS)
+    assert all(P._KNOB_VALUES[name][0](v) for name, v in knobs.items())  # what an entry file may hold, too
+    bn = knobs.get("block_n") or P._tiles(bm)[1]
     if knobs.get("whole_k"):
         gps = knobs["whole_k"] if knobs["whole_k"] in (2, 4) else GW.GPS
         stages = knobs.get("num_stages") or GW.default_stages(bn, gps)
@@ -47,13 +50,13 @@ def test_every_table_entry_is_runnable(key):
             assert GW.plan_error(m, n, k, bn, stages, gps, knobs["split_k"], True) is None
     else:
         assert bn in (16, 32, 64, 128) and knobs["split_k"] >= 1
-        splits, per = G._plan_split(bm, n, -(-k // 128), bm, bn, torch.device("cpu"), knobs["split_k"])
+        splits, per = P._plan_split(bm, n, -(-k // 128), bm, bn, torch.device("cpu"), knobs["split_k"])
         assert splits == knobs["split_k"] and (splits - 1) * per < -(-k // 128)
 
 
 def _h200(monkeypatch):
     """Dispatch as if the tensors lived on the H200 the table was measured on."""
-    monkeypatch.setattr(G, "_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(P, "_device_name", lambda *a: "NVIDIA H200")
 
 
 def test_batch64_entries_dispatch(monkeypatch):
@@ -64,18 +67,18 @@ def test_batch64_entries_dispatch(monkeypatch):
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
     x, xs, w, ws = _operands(m=40, n=4096, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     assert launched == [(64, GW.default_stages(64, 4), 4)]
 
     split = Launch()
-    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands(m=40, n=28672, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     grid, _, meta = split.calls[-1]
     assert grid == (28672 // 128, 1, 1) and meta["BN"] == 128 and meta["num_stages"] == 3
     x, xs, w, ws = _operands(m=8, n=4096, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     grid, _, meta = split.calls[-1]
     assert grid == (4096 // 64, 1, 4) and meta["BN"] == 64 and meta["num_stages"] == 4 and meta["FUSED_REDUCE"] is True
     assert len(launched) == 1
@@ -83,19 +86,19 @@ def test_batch64_entries_dispatch(monkeypatch):
 
 def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
     """A file's entries are added to DECODE_CONFIGS (replacing a measured one with the same key) and returned."""
-    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
     rows = [dict(device="NVIDIA H200", n=4096, k=4096, bm=64, knobs=dict(split_k=2, block_n=64, num_warps=8)),
             dict(device="Other GPU", n=512, k=1024, bm=16, knobs=dict(whole_k=2))]
     path = tmp_path / "entries.json"
     path.write_text(json.dumps(rows))
-    got = G.load_decode_configs(str(path))
+    got = P.load_decode_configs(str(path))
     assert got == {("NVIDIA H200", 4096, 4096, 64): dict(split_k=2, block_n=64, num_warps=8),
                    ("Other GPU", 512, 1024, 16): dict(whole_k=2)}
-    assert G.DECODE_CONFIGS[("NVIDIA H200", 4096, 4096, 64)] == dict(split_k=2, block_n=64, num_warps=8)
-    assert G.load_decode_configs(str(path), apply=False) == got
+    assert P.DECODE_CONFIGS[("NVIDIA H200", 4096, 4096, 64)] == dict(split_k=2, block_n=64, num_warps=8)
+    assert P.load_decode_configs(str(path), apply=False) == got
     _h200(monkeypatch)
-    assert G._decode_knobs(33, 4096, 4096, torch.device("cpu"), {}) == dict(split_k=2, block_n=64, num_warps=8)
-    assert G._decode_knobs(33, 4096, 4096, torch.device("cpu"), dict(split_k=1)) == dict(split_k=1)
+    assert P._decode_knobs(33, 4096, 4096, torch.device("cpu"), {}) == dict(split_k=2, block_n=64, num_warps=8)
+    assert P._decode_knobs(33, 4096, 4096, torch.device("cpu"), dict(split_k=1)) == dict(split_k=1)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -120,15 +123,15 @@ def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
 def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle):
     """Each malformed file is refused with its path and what is wrong (entry index, key, value); nothing of it is
     applied."""
-    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
-    before = dict(G.DECODE_CONFIGS)
+    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
+    before = dict(P.DECODE_CONFIGS)
     path = tmp_path / "bad.json"
     if text is not None:
         path.write_text(text)
     with pytest.raises(ValueError) as err:
-        G.load_decode_configs(str(path))
+        P.load_decode_configs(str(path))
     assert str(path) in str(err.value) and needle in str(err.value)
-    assert G.DECODE_CONFIGS == before
+    assert P.DECODE_CONFIGS == before
 
 
 @pytest.mark.parametrize("tiles, steps, splits", [(32, 16, 4), (64, 32, 2), (96, 32, 2), (128, 32, 1), (224, 56, 1),
@@ -136,26 +139,27 @@ def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle
 def test_split_rule_fills_the_sms_once(monkeypatch, tiles, steps, splits):
     """The heuristic splits K until the programs about fill 132 SMs (0.9 per SM), keeping >= 4 steps per split and
     at most 16 splits. The MX kernel by its own sweep: 2 per SM and at least 2 splits at BM 16, 1.5 per SM at BM 32."""
-    assert G._split_k(tiles, steps, 132, G.SPLIT_FILL) == splits
-    assert G.mx_split_k(64, 32, 132, 16) == 8 and G.mx_split_k(96, 32, 132, 16) == 4  # 4096 / 6144 rows
-    assert G.mx_split_k(448, 32, 132, 16) == 2  # 28672 rows: 2 per SM alone gives one split, 7-13% slower
-    assert G.mx_split_k(448, 7, 132, 16) == 1  # ... but not below 4 chunks per split
-    assert G.mx_split_k(64, 112, 132, 32) == 4 and G.mx_split_k(448, 32, 132, 32) == 1  # BM 32: 1.5 per SM
-    assert G.mx_split_k(64, 112, 132, 64) == 4  # BM 64 takes BM 32's rule
-    monkeypatch.setattr(G, "sm_count", lambda device: 132)
-    assert G._plan_split(12, 64 * tiles, steps, 16, 64, torch.device("cpu"), None)[0] == splits
+    assert P._split_k(tiles, steps, 132, P.SPLIT_FILL) == splits
+    assert P.mx_split_k(64, 32, 132, 16) == 8 and P.mx_split_k(96, 32, 132, 16) == 4  # 4096 / 6144 rows
+    assert P.mx_split_k(448, 32, 132, 16) == 2  # 28672 rows: 2 per SM alone gives one split, 7-13% slower
+    assert P.mx_split_k(448, 7, 132, 16) == 1  # ... but not below 4 chunks per split
+    assert P.mx_split_k(64, 112, 132, 32) == 4 and P.mx_split_k(448, 32, 132, 32) == 1  # BM 32: 1.5 per SM
+    assert P.mx_split_k(64, 112, 132, 64) == 4  # BM 64 takes BM 32's rule
+    monkeypatch.setattr(P, "sm_count", lambda device: 132)
+    monkeypatch.setattr(GF, "sm_count", lambda device: 132)
+    assert P._plan_split(12, 64 * tiles, steps, 16, 64, torch.device("cpu"), None)[0] == splits
 
 
 def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
     """33-64 rows on CUDA: whole-K, 64-row weight tiles from N = 4096, 32 below; fewer rows, the CPU, or the switch
     off: nothing (the split rule)."""
     cuda = torch.device("cuda")
-    assert G._heuristic_whole_k(33, 4096, cuda) == dict(whole_k=4, block_n=64)
-    assert G._heuristic_whole_k(64, 2048, cuda) == dict(whole_k=4, block_n=32)
-    assert G._heuristic_whole_k(32, 4096, cuda) == {} and G._heuristic_whole_k(65, 4096, cuda) == {}
-    assert G._heuristic_whole_k(48, 4096, torch.device("cpu")) == {}
-    monkeypatch.setattr(G, "WHOLE_K_AT_BM64", False)
-    assert G._heuristic_whole_k(48, 4096, cuda) == {}
+    assert P._heuristic_whole_k(33, 4096, cuda) == dict(whole_k=4, block_n=64)
+    assert P._heuristic_whole_k(64, 2048, cuda) == dict(whole_k=4, block_n=32)
+    assert P._heuristic_whole_k(32, 4096, cuda) == {} and P._heuristic_whole_k(65, 4096, cuda) == {}
+    assert P._heuristic_whole_k(48, 4096, torch.device("cpu")) == {}
+    monkeypatch.setattr(P, "WHOLE_K_AT_BM64", False)
+    assert P._heuristic_whole_k(48, 4096, cuda) == {}
 
 
 @pytest.mark.parametrize("opt_out", [{}, {"sliced": False}, {"wgmma": False}, {"sliced": False, "wgmma": False}])
@@ -163,21 +167,22 @@ def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
 def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
     """Without knobs or entry, a 48-row call runs the heuristic's whole-K kernel; where it cannot run, the split rule
     (not one split, as for an explicit whole_k). Opting out of the sliced or wgmma kernels changes neither."""
-    monkeypatch.setattr(G, "_heuristic_whole_k", lambda m, n, d: dict(whole_k=4, block_n=64) if m > 32 else {})
+    monkeypatch.setattr(P, "_heuristic_whole_k", lambda m, n, d: dict(whole_k=4, block_n=64) if m > 32 else {})
     monkeypatch.setattr(GW, "usable", lambda *a: usable)
-    monkeypatch.setattr(G, "sm_count", lambda device: 132)
-    monkeypatch.setattr(G, "_reduce", lambda *a, **kw: None)  # off CUDA the partials' reduce is a second kernel
+    monkeypatch.setattr(P, "sm_count", lambda device: 132)
+    monkeypatch.setattr(GF, "sm_count", lambda device: 132)
+    monkeypatch.setattr(SK, "_reduce", lambda *a, **kw: None)  # off CUDA the partials' reduce is a second kernel
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
-    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands(m=48, n=512, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
     if usable:
         assert launched == [(64, GW.default_stages(64, 4), 4)] and not split.calls
     else:
         grid, _, meta = split.calls[0]
-        want = G._plan_split(48, 512, 32, 64, 64, x.device, None)[0]
+        want = P._plan_split(48, 512, 32, 64, 64, x.device, None)[0]
         assert not launched and want > 1 and grid == (512 // 64, 1, want) and meta["BN"] == 64
 
 
@@ -192,25 +197,25 @@ def test_wgmma_plan_keeps_its_rule(m, nk):
     keeping >= WGMMA_RULE_MIN_GROUPS8 / WGMMA_RULE_MIN_GROUPS groups per split; the deepest pipeline (2 groups per
     stage at 8 rows, else 4) exactly where every program has an SM to itself."""
     n, k = nk
-    plan = G.wgmma_plan(m, n, k, 132)
+    plan = P.wgmma_plan(m, n, k, 132)
     splits, gps, stages = plan
     tiles, kb = -(-n // 64), -(-k // 128)
     rows = GW.x_rows(m, True)
     fewest = -(-kb // GW.MAX_GROUPS)  # these shapes' fewest splits the 128-group scale table allows
     assert GW.split_plan(kb, splits, gps)[0] == splits
     assert GW.plan_error(m, n, k, 64, stages or GW.swap_stages(m, kb, splits, gps), gps, splits, True) is None
-    if tiles >= G.WGMMA_RULE_WIDE * 132:
+    if tiles >= P.WGMMA_RULE_WIDE * 132:
         assert splits == fewest
     else:
-        assert splits == fewest or splits <= G.WGMMA_RULE_MAX_SPLITS
-        ok = [s for s in range(fewest, max(fewest, G.WGMMA_RULE_MAX_SPLITS) + 1)
+        assert splits == fewest or splits <= P.WGMMA_RULE_MAX_SPLITS
+        ok = [s for s in range(fewest, max(fewest, P.WGMMA_RULE_MAX_SPLITS) + 1)
               if GW.split_plan(kb, s, 2)[0] == s and (s == 1 or -(-kb // s) >= 4)]
         if rows == 8:
-            ok = [s for s in ok if s == fewest or kb / s >= G.WGMMA_RULE_MIN_GROUPS8]
-            assert splits in ok and (splits == fewest or tiles * splits <= G.WGMMA_RULE_FILL8 * 132)
-            assert all(tiles * s > G.WGMMA_RULE_FILL8 * 132 for s in ok if s > splits)
+            ok = [s for s in ok if s == fewest or kb / s >= P.WGMMA_RULE_MIN_GROUPS8]
+            assert splits in ok and (splits == fewest or tiles * splits <= P.WGMMA_RULE_FILL8 * 132)
+            assert all(tiles * s > P.WGMMA_RULE_FILL8 * 132 for s in ok if s > splits)
         else:
-            ok = [s for s in ok if s == fewest or kb / s >= G.WGMMA_RULE_MIN_GROUPS]
+            ok = [s for s in ok if s == fewest or kb / s >= P.WGMMA_RULE_MIN_GROUPS]
             fill = lambda s: tiles * s / (132 * -(-tiles * s // 132))
             assert splits in ok and all(fill(s) < fill(splits) - 1e-9 if s < splits else fill(s) <= fill(splits) + 1e-9
                                         for s in ok)
@@ -218,7 +223,7 @@ def test_wgmma_plan_keeps_its_rule(m, nk):
         assert stages is not None and gps == (2 if rows == 8 else 4) or stages is not None and gps == 2
         per = GW.split_plan(kb, splits, gps)[1]
         deeper = stages + 1
-        assert deeper > G.WGMMA_RULE_MAX_STAGES or deeper > -(-per // gps) or \
+        assert deeper > P.WGMMA_RULE_MAX_STAGES or deeper > -(-per // gps) or \
             GW.plan_error(m, n, k, 64, deeper, gps, splits, True) is not None
     else:
         assert (gps, stages) == (2, None)
@@ -230,36 +235,37 @@ def test_wgmma_plan_examples(monkeypatch):
     each; 80 tiles 3 splits (240 programs: 91% of two waves) where K has the groups; a K whose scale table needs 2
     splits gets them; no plan for M = 1, above 32 rows, or a K the kernel's TMA cannot read. A changed constant
     changes the (memoized) plan."""
-    assert G.wgmma_plan(4, 8192, 4096, 132) == (1, 2, 8)
-    assert G.wgmma_plan(16, 28672, 4096, 132) == (1, 2, None)
-    assert G.wgmma_plan(4, 4096, 7168, 132) == (4, 2, None)
-    assert G.wgmma_plan(16, 4096, 7168, 132) == (2, 4, 5)
-    assert G.wgmma_plan(16, 4096, 4096, 132)[0] == 1 and G.wgmma_plan(4, 4096, 4096, 132)[0] == 3
-    assert G.wgmma_plan(4, 3072, 2048, 132)[0] == 1  # 16 groups: two splits would leave 8 each
-    assert G.wgmma_plan(32, 8192, 28672, 132) == (2, 2, None)
-    assert G.wgmma_plan(16, 5120, 13824, 132) == (3, 2, None) and G.wgmma_plan(16, 5120, 5120, 132)[0] == 1
-    assert G.wave_fill(240, 132) == pytest.approx(240 / 264) and G.wave_fill(128, 132) == G.wave_fill(256, 132)
-    assert G.wgmma_plan(1, 4096, 4096, 132) is None and G.wgmma_plan(33, 4096, 4096, 132) is None
-    assert G.wgmma_plan(8, 200, 1000, 132) is None  # K % 16
-    monkeypatch.setattr(G, "WGMMA_RULE_FILL8", 1.0)  # the memo is keyed by the rule's constants too
-    assert G.wgmma_plan(4, 4096, 7168, 132)[0] == 2
+    assert P.wgmma_plan(4, 8192, 4096, 132) == (1, 2, 8)
+    assert P.wgmma_plan(16, 28672, 4096, 132) == (1, 2, None)
+    assert P.wgmma_plan(4, 4096, 7168, 132) == (4, 2, None)
+    assert P.wgmma_plan(16, 4096, 7168, 132) == (2, 4, 5)
+    assert P.wgmma_plan(16, 4096, 4096, 132)[0] == 1 and P.wgmma_plan(4, 4096, 4096, 132)[0] == 3
+    assert P.wgmma_plan(4, 3072, 2048, 132)[0] == 1  # 16 groups: two splits would leave 8 each
+    assert P.wgmma_plan(32, 8192, 28672, 132) == (2, 2, None)
+    assert P.wgmma_plan(16, 5120, 13824, 132) == (3, 2, None) and P.wgmma_plan(16, 5120, 5120, 132)[0] == 1
+    assert P.wave_fill(240, 132) == pytest.approx(240 / 264) and P.wave_fill(128, 132) == P.wave_fill(256, 132)
+    assert P.wgmma_plan(1, 4096, 4096, 132) is None and P.wgmma_plan(33, 4096, 4096, 132) is None
+    assert P.wgmma_plan(8, 200, 1000, 132) is None  # K % 16
+    monkeypatch.setattr(P, "WGMMA_RULE_FILL8", 1.0)  # the memo is keyed by the rule's constants too
+    assert P.wgmma_plan(4, 4096, 7168, 132)[0] == 2
 
 
 def test_heuristic_wgmma_only_on_sm90_cuda(monkeypatch):
     """The rule's knobs on an sm_90 CUDA device while WGMMA_RULE; nothing on the CPU, on other GPUs, with the switch
     off, or without a plan (M = 1 / above 32 rows)."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(G, "sm_count", lambda device: 132)
-    monkeypatch.setattr(G, "_sm90", lambda index: True)
-    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == dict(wgmma=4, split_k=2, block_n=64, num_stages=5)
-    assert G._heuristic_wgmma(16, 28672, 4096, cuda) == dict(wgmma=2, split_k=1, block_n=64)
-    assert G._heuristic_wgmma(1, 4096, 7168, cuda) == {} and G._heuristic_wgmma(40, 4096, 7168, cuda) == {}
-    assert G._heuristic_wgmma(16, 4096, 7168, torch.device("cpu")) == {}
-    monkeypatch.setattr(G, "WGMMA_RULE", False)
-    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == {}
-    monkeypatch.setattr(G, "WGMMA_RULE", True)
-    monkeypatch.setattr(G, "_sm90", lambda index: False)
-    assert G._heuristic_wgmma(16, 4096, 7168, cuda) == {}
+    monkeypatch.setattr(P, "sm_count", lambda device: 132)
+    monkeypatch.setattr(GF, "sm_count", lambda device: 132)
+    monkeypatch.setattr(P, "_sm90", lambda index: True)
+    assert P._heuristic_wgmma(16, 4096, 7168, cuda) == dict(wgmma=4, split_k=2, block_n=64, num_stages=5)
+    assert P._heuristic_wgmma(16, 28672, 4096, cuda) == dict(wgmma=2, split_k=1, block_n=64)
+    assert P._heuristic_wgmma(1, 4096, 7168, cuda) == {} and P._heuristic_wgmma(40, 4096, 7168, cuda) == {}
+    assert P._heuristic_wgmma(16, 4096, 7168, torch.device("cpu")) == {}
+    monkeypatch.setattr(P, "WGMMA_RULE", False)
+    assert P._heuristic_wgmma(16, 4096, 7168, cuda) == {}
+    monkeypatch.setattr(P, "WGMMA_RULE", True)
+    monkeypatch.setattr(P, "_sm90", lambda index: False)
+    assert P._heuristic_wgmma(16, 4096, 7168, cuda) == {}
 
 
 @pytest.mark.parametrize("opt_out", [{}, {"sliced": False}, {"wgmma": False}])
@@ -268,21 +274,22 @@ def test_heuristic_wgmma_dispatch_and_fallback(monkeypatch, usable, opt_out):
     """Without knobs or entry, a 12-row call runs the rule's wgmma plan (splits, groups per stage, stages); where the
     kernel cannot run, or with wgmma=False, the split rule's own split-K call (its split count, not the plan's)."""
     plan = dict(wgmma=4, split_k=3, block_n=64, num_stages=5)
-    monkeypatch.setattr(G, "_heuristic_wgmma", lambda m, n, k, d: dict(plan) if m <= 32 else {})
+    monkeypatch.setattr(P, "_heuristic_wgmma", lambda m, n, k, d: dict(plan) if m <= 32 else {})
     monkeypatch.setattr(GW, "usable", lambda *a: usable)
-    monkeypatch.setattr(G, "sm_count", lambda device: 132)
-    monkeypatch.setattr(G, "_reduce", lambda *a, **kw: None)
+    monkeypatch.setattr(P, "sm_count", lambda device: 132)
+    monkeypatch.setattr(GF, "sm_count", lambda device: 132)
+    monkeypatch.setattr(SK, "_reduce", lambda *a, **kw: None)
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw.get("splits"), kw.get("swap"))))
-    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
-    monkeypatch.setattr(G, "_launch_sliced", lambda *a, **kw: split.calls.append(("sliced", a, kw)))
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(GF, "_launch_sliced", lambda *a, **kw: split.calls.append(("sliced", a, kw)))
     x, xs, w, ws = _operands(m=12, n=512, k=4096)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
     if usable and not opt_out.get("wgmma") is False:
         assert launched == [((64, 5, 4), 3, True)] and not split.calls
     else:
-        want = G._plan_split(12, 512, 32, 16, 64, x.device, None)[0]
+        want = P._plan_split(12, 512, 32, 16, 64, x.device, None)[0]
         assert not launched and want != 3
         grid, _, meta = split.calls[0]
         assert grid == (512 // 64, 1, want) and meta["BN"] == 64
@@ -311,7 +318,7 @@ def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
 
     sms, rows = E.read_sweep(E.DEFAULT)
     assert sms == 132 and len(rows) == 63
-    now = E.score(sms, rows, G.SPLIT_FILL, G.WHOLE_K_AT_BM64)
+    now = E.score(sms, rows, P.SPLIT_FILL, P.WHOLE_K_AT_BM64)
     old = E.score(sms, rows, 2.0, False)
     assert all(g < 1.06 for g in now["geo"].values()) and now["worst"][0] < 1.4
     assert old["geo"]["all"] > 1.2 > now["geo"]["all"] * 1.1
@@ -341,17 +348,17 @@ def test_rule_evals_refuse_other_files(tmp_path, module, reader, cases):
 def test_autotuner_keeps_split_counts_apart():
     """The split-K kernel's autotuner caches a pipeline depth per (N, K, BM, BN, partials, split count): a call that
     gives only split_k is tuned for its own split count, not served another's stages."""
-    assert G._fp8_block_gemm_tuned.keys == ["N", "K", "BM", "BN", "USE_PART", "n_splits"]
+    assert GF._fp8_block_gemm_tuned.keys == ["N", "K", "BM", "BN", "USE_PART", "n_splits"]
 
 
 @pytest.mark.parametrize("programs,stages", [(1, 6), (132, 6), (133, 4), (264, 4), (265, 3), (2004, 3)])
 def test_decode_stages_by_programs_per_sm(programs, stages):
     """The pipeline depth of decode calls without an entry: 6 stages up to one program per SM, 4 up to two, then 3."""
-    assert G._decode_stages(programs, 132) == stages
+    assert P._decode_stages(programs, 132) == stages
 
 
 def test_decode_stage_choice_defaults_to_the_rule():
-    assert G.DECODE_STAGE_CHOICE == "rule" and G._decode_stages(10, 0) == 3  # no SM count: treated as one SM
+    assert P.DECODE_STAGE_CHOICE == "rule" and P._decode_stages(10, 0) == 3  # no SM count: treated as one SM
 
 
 def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
@@ -360,7 +367,7 @@ def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
     ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails here."""
     from benchmarks import stage_rule_eval as E
 
-    fit, check = (E.score(*E.read_probe(path), G.DECODE_STAGES) for path in E.DEFAULT)
+    fit, check = (E.score(*E.read_probe(path), P.DECODE_STAGES) for path in E.DEFAULT)
     assert fit["points"] == 48 and check["points"] == 36
     assert fit["rule"][0] < 1.01 and fit["rule"][1] < 1.06 and check["rule"][0] < 1.03
     assert fit["rule"][0] < fit["auto"][0] and check["rule"][0] < check["auto"][0]
@@ -386,7 +393,7 @@ def test_the_mx_split_rule_scores_as_measured_on_the_committed_sweep():
 
     sections = E.read_sections(E.MX_DEFAULT)
     assert len(sections) == 3 and all(len(rows) == 24 for _, rows in sections.values())
-    now = [E.score(sms, rows, G.mx_split_k, False) for sms, rows in sections.values()]
+    now = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in sections.values()]
     assert all(s["geo"]["all"] < 1.01 for s in now)
 
     def overall(scores):
@@ -400,11 +407,11 @@ def test_the_mx_split_rule_scores_as_measured_on_the_committed_sweep():
     # within 8.5% per pair, as its comment records (4 per SM does better there)
     bm64_sweep, = _committed_sweep("probe_mx_split64.txt")
     held_sweep, = _committed_sweep("probe_mx_split_check.txt")
-    bm64 = [E.score(sms, rows, G.mx_split_k, False) for sms, rows in E.read_sections(bm64_sweep).values()]
+    bm64 = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(bm64_sweep).values()]
     assert all(set(s["geo"]) == {64, "all"} and s["geo"]["all"] < 1.025 for s in bm64)
     four64 = [E.score(sms, rows, 4.0, False) for sms, rows in E.read_sections(bm64_sweep).values()]
     assert overall(four64) > overall(bm64) + 0.15
-    held = [E.score(sms, rows, G.mx_split_k, False) for sms, rows in E.read_sections(held_sweep).values()]
+    held = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(held_sweep).values()]
     assert all(s["geo"]["all"] < 1.085 for s in held) and max(s["worst"][0] for s in held) < 1.22
 
 
@@ -414,32 +421,32 @@ def test_sliced_auto_rule_and_knob(monkeypatch):
     keep split-K. sliced=False alone still takes the shape's DECODE_CONFIGS entry; an entry file may say
     "sliced": false or a slice count."""
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    assert G._sliced_instead(cuda, 4, 4, 64, 4, {}) and G._sliced_instead(cuda, 8, 2, 64, 4, {})
-    assert G._sliced_instead(cuda, 1, 4, 64, 4, {"fused_reduce": True})
+    assert P._sliced_instead(cuda, 4, 4, 64, 4, {}) and P._sliced_instead(cuda, 8, 2, 64, 4, {})
+    assert P._sliced_instead(cuda, 1, 4, 64, 4, {"fused_reduce": True})
     for x, m, splits, bn, warps, cfg in ((cpu, 4, 4, 64, 4, {}), (cuda, 5, 4, 64, 4, {}), (cuda, 16, 2, 64, 4, {}),
                                          (cuda, 2, 8, 64, 4, {}), (cuda, 4, 1, 64, 4, {}), (cuda, 4, 4, 32, 4, {}),
                                          (cuda, 4, 4, 64, 8, {}), (cuda, 4, 4, 64, 4, {"cluster": True}),
                                          (cuda, 4, 4, 64, 4, {"sliced": False})):
-        assert not G._sliced_instead(x, m, splits, bn, warps, cfg), (m, splits, bn, warps, cfg)
-    monkeypatch.setattr(G, "SLICED_AUTO", False)
-    assert not G._sliced_instead(cuda, 4, 4, 64, 4, {})
+        assert not P._sliced_instead(x, m, splits, bn, warps, cfg), (m, splits, bn, warps, cfg)
+    monkeypatch.setattr(P, "SLICED_AUTO", False)
+    assert not P._sliced_instead(cuda, 4, 4, 64, 4, {})
     key = ("NVIDIA H200", 4096, 14336, 16)
-    monkeypatch.setattr(G, "_device_name", lambda *a: "NVIDIA H200")
-    got = G._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=False))
-    assert got == dict(G.DECODE_CONFIGS[key], sliced=False)
-    assert G._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=4)) == dict(sliced=4)
+    monkeypatch.setattr(P, "_device_name", lambda *a: "NVIDIA H200")
+    got = P._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=False))
+    assert got == dict(P.DECODE_CONFIGS[key], sliced=False)
+    assert P._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=4)) == dict(sliced=4)
 
 
 def test_entry_files_take_the_sliced_knob(tmp_path, monkeypatch):
     """An entry file may pin a shape to split-K ("sliced": false) or to the sliced kernel (a slice count)."""
-    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(split_k=4, sliced=False)),
                                 dict(device="g", n=6144, k=4096, bm=16, knobs=dict(sliced=4, block_n=32))]))
-    got = G.load_decode_configs(str(path))
+    got = P.load_decode_configs(str(path))
     assert got == {("g", 4096, 4096, 16): dict(split_k=4, sliced=False),
                    ("g", 6144, 4096, 16): dict(sliced=4, block_n=32)}
-    assert G.DECODE_CONFIGS[("g", 6144, 4096, 16)] == dict(sliced=4, block_n=32)
+    assert P.DECODE_CONFIGS[("g", 6144, 4096, 16)] == dict(sliced=4, block_n=32)
 
 
 def test_wgmma_knob_dispatch(monkeypatch):
@@ -450,26 +457,26 @@ def test_wgmma_knob_dispatch(monkeypatch):
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw)))
-    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
-    monkeypatch.setattr(G, "_splitk_reduce_kernel", Launch())
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(SK, "_splitk_reduce_kernel", Launch())
     x, xs, w, ws = _operands(m=4)  # N 256, K 1024: 8 groups
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 4, wgmma=4, num_stages=3)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 4, wgmma=4, num_stages=3)
     assert launched == [((64, GW.swap_stages(4, 8, 2), GW.GPS), dict(splits=2, swap=True)),
                         ((64, 3, 4), dict(splits=4, swap=True))] and split.calls == []
     assert GW.swap_stages(4, 8, 2) == 2  # 4 groups per split: no more stages than it has stages of 2 groups
     with pytest.raises(ValueError, match="block_n=32"):
-        G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True, block_n=32)
+        GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True, block_n=32)
     monkeypatch.setattr(GW, "usable", lambda *a: False)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
     assert len(launched) == 2 and len(split.calls) == 1 and split.calls[0][0][2] == 2
     monkeypatch.setattr(GW, "usable", lambda *a: True)
-    key = (G._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
-    monkeypatch.setitem(G.DECODE_CONFIGS, key, dict(wgmma=True, split_k=2, block_n=64))
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    key = (P._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
+    monkeypatch.setitem(P.DECODE_CONFIGS, key, dict(wgmma=True, split_k=2, block_n=64))
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     assert len(launched) == 3 and launched[-1][1]["splits"] == 2
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, wgmma=False)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, wgmma=False)
     assert len(launched) == 3 and len(split.calls) == 2 and split.calls[-1][0][2] == 2
 
 
@@ -489,15 +496,15 @@ def test_swap_stages_keep_two_programs_per_sm(m, kb, splits):
 
 def test_entry_files_take_the_wgmma_knob(tmp_path, monkeypatch):
     """An entry file may select the wgmma kernel (true or 2 / 4 groups per stage) or keep a shape off it (false)."""
-    monkeypatch.setattr(G, "DECODE_CONFIGS", dict(G.DECODE_CONFIGS))
+    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(split_k=2, wgmma=4)),
                                 dict(device="g", n=6144, k=4096, bm=16, knobs=dict(split_k=4, wgmma=False))]))
-    assert G.load_decode_configs(str(path)) == {("g", 4096, 4096, 16): dict(split_k=2, wgmma=4),
+    assert P.load_decode_configs(str(path)) == {("g", 4096, 4096, 16): dict(split_k=2, wgmma=4),
                                                 ("g", 6144, 4096, 16): dict(split_k=4, wgmma=False)}
     path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(wgmma=3))]))
     with pytest.raises(ValueError, match="wgmma=3"):
-        G.load_decode_configs(str(path))
+        P.load_decode_configs(str(path))
 
 
 # ------------------------------------------------------------------ entries run
@@ -507,13 +514,13 @@ def test_decode_configs_entry_is_dispatched(monkeypatch):
     """fp8_block_linear runs a DECODE_CONFIGS entry for (device, N, K, BM) exactly as the explicit knobs do."""
     xd, xs, wd, ws = block_operands(3, 256, 640, seed=20)
     dev = xd.device
-    key = (G._device_name(dev.type, dev.index), 256, 640, 16)
+    key = (P._device_name(dev.type, dev.index), 256, 640, 16)
     cfg = dict(split_k=3, block_n=32, num_warps=4, num_stages=2, fused_reduce=True)
-    monkeypatch.setitem(G.DECODE_CONFIGS, key, cfg)
+    monkeypatch.setitem(P.DECODE_CONFIGS, key, cfg)
     tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
     explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **cfg)
     assert torch.equal(tuned, explicit)
-    monkeypatch.delitem(G.DECODE_CONFIGS, key)
+    monkeypatch.delitem(P.DECODE_CONFIGS, key)
     default = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
     assert rel(default, tuned) < GEMM_TOL
 
@@ -522,8 +529,8 @@ def _measured_entries():
     """The DECODE_CONFIGS entries measured on this GPU ([] without CUDA: collection must not touch a device)."""
     if not torch.cuda.is_available():
         return []
-    name = G._device_name("cuda", torch.cuda.current_device())
-    return sorted(key for key in G.DECODE_CONFIGS if key[0] == name)
+    name = P._device_name("cuda", torch.cuda.current_device())
+    return sorted(key for key in P.DECODE_CONFIGS if key[0] == name)
 
 
 @pytest.mark.gpu
@@ -538,7 +545,7 @@ def test_measured_decode_configs_entry_on_its_shape(key):
         got = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
         ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
         assert torch.isfinite(got).all() and rel(got, ref) < GEMM_TOL, (key, m)
-        explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **G.DECODE_CONFIGS[key])
+        explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **P.DECODE_CONFIGS[key])
         assert torch.equal(got, explicit), (key, m)
 
 
@@ -549,7 +556,7 @@ def test_every_committed_knob_set_runs_exactly():
     change nothing under the interpreter, left out of what makes a set distinct) on 136 x 1408 (11 groups: uneven
     splits for split_k 2 / 4 / 8; N off every tile), within 1e-5 of the float64 reference."""
     seen = set()
-    for (_, n, k, bm), knobs in G.DECODE_CONFIGS.items():
+    for (_, n, k, bm), knobs in P.DECODE_CONFIGS.items():
         key = (bm, tuple(sorted((name, v) for name, v in knobs.items() if name not in ("num_stages", "num_warps"))))
         if key in seen:
             continue

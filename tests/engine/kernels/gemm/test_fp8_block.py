@@ -23,6 +23,24 @@ M_SET = by_device([1, 2, 3, 5, 63, 64, 65], [5, 63, 65])  # BM 16 and 64 (masked
 
 
 @pytest.fixture(scope="module")
+def P():
+    """The decode plan (needs Triton)."""
+    pytest.importorskip("triton")
+    from engine.kernels import decode_plan
+
+    return decode_plan
+
+
+@pytest.fixture(scope="module")
+def GF():
+    """The FP8 kernels and their launch (needs Triton)."""
+    pytest.importorskip("triton")
+    from engine.kernels import gemm_fp8
+
+    return gemm_fp8
+
+
+@pytest.fixture(scope="module")
 def G():
     """The kernel module (needs Triton)."""
     pytest.importorskip("triton")
@@ -124,7 +142,7 @@ def test_split_k_is_deterministic_and_consistent(G):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m", by_device([1, 4, 16, 40], [4, 40]))
 @pytest.mark.parametrize("fused", [True, False])
-def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
+def test_bf16_rounded_fp32_output_is_the_bf16_output(G, GF, m, fused):
     """out_round='bf16' (a bf16 output kept in the engine's fp32 carrier) gives bit for bit the bf16 output widened
     to fp32, with and without bias, on the split-K Triton path (fused and separate reduce) and on cuBLAS (m = 40
     with small_m = 16); the fused reduce equals the separate one."""
@@ -135,7 +153,7 @@ def test_bf16_rounded_fp32_output_is_the_bf16_output(G, m, fused):
         if m <= 16:
             want = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
                                            fused_reduce=fused, sliced=False).float()
-            got = G._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), b,
+            got = GF._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), b,
                                 torch.float32, 4, fused_reduce=fused, round_bf16=True, sliced=False)
             assert torch.equal(got, want)
             other = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.bfloat16, split_k=4,
@@ -160,7 +178,7 @@ def _next_pow2(m: int) -> int:
 @pytest.mark.parametrize("mnk", by_device([(1, 256, 1024), (2, 200, 1000), (4, 320, 1152), (8, 136, 2048),
                                            (16, 128, 640), (33, 64, 512)],
                                           [(4, 136, 1100), (33, 64, 512)]))
-def test_sliced_kernel_is_split_k(G, mnk):
+def test_sliced_kernel_is_split_k(G, GF, mnk):
     """The sliced kernel (split-K inside one program, slices summed in registers) gives the split-K kernel's bits
     with as many splits, 64-row tiles and 4 warps, and its reduce, on the GPU: slices of 2 / 4 / 8, 8-64 weight rows
     per slice, N tails (200, 136), a partial last group (K = 1000), uneven and empty slices (9 groups in 4 or 8
@@ -186,7 +204,7 @@ def test_sliced_kernel_is_split_k(G, mnk):
             else:
                 assert torch.equal(got, split), (s, r)
         bf = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias, out_dtype=torch.bfloat16, sliced=s)
-        rounded = G._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), bias,
+        rounded = GF._launch_fp8(xd, xs, (xs.stride(0), xs.stride(1)), wd, ws, (ws.stride(0), ws.stride(1)), bias,
                                 torch.float32, None, round_bf16=True, sliced=s)
         assert rel(bf, ref) <= TOL[torch.bfloat16] and torch.equal(rounded, bf.float()), s
     with pytest.raises(ValueError, match="sliced=3"):
@@ -196,13 +214,13 @@ def test_sliced_kernel_is_split_k(G, mnk):
 
 
 @pytest.mark.gpu
-def test_sliced_auto_takes_small_m_split_k_calls(G, monkeypatch):
+def test_sliced_auto_takes_small_m_split_k_calls(G, GF, monkeypatch):
     """On the GPU, split-K calls with 2 / 4 splits of 64-row tiles and M <= 16 / splits run the sliced kernel with the
     split-K plan's K partition (counted), the same bits as split-K (sliced=False); M above that, 8 splits, 32-row
     tiles and sliced=False stay on split-K."""
     calls = []
-    real = G._launch_sliced
-    monkeypatch.setattr(G, "_launch_sliced", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
+    real = GF._launch_sliced
+    monkeypatch.setattr(GF, "_launch_sliced", lambda *a, **kw: calls.append(a[9]) or real(*a, **kw))
     xd, xs, wd, ws = block_operands(8, 192, 2048, seed=3)
     for m, kw, slices in ((4, dict(split_k=4), 4), (2, dict(split_k=4), 4), (8, dict(split_k=2), 2),
                           (5, dict(split_k=4), None), (2, dict(split_k=8), None),
@@ -212,7 +230,7 @@ def test_sliced_auto_takes_small_m_split_k_calls(G, monkeypatch):
         want = G.fp8_block_gemm_triton(xd[:m], xs[:m], wd, ws, out_dtype=torch.float32, **dict(kw, sliced=False))
         assert calls == ([slices] if slices else []), (m, kw)
         assert torch.equal(got, want), (m, kw)
-    monkeypatch.setattr(G, "SLICED_AUTO", False)
+    monkeypatch.setattr(P, "SLICED_AUTO", False)
     calls.clear()
     G.fp8_block_gemm_triton(xd[:4], xs[:4], wd, ws, out_dtype=torch.float32, split_k=4)
     assert calls == []
@@ -220,7 +238,7 @@ def test_sliced_auto_takes_small_m_split_k_calls(G, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (200, 1000), (136, 320)])
-def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
+def test_m1_runs_the_cuda_core_gemv(G, GF, nk, monkeypatch):
     """M = 1 without knobs runs `_fp8_gemv_kernel` (counted): within TOL of the float64 reference with and without
     bias, in bf16 / fp32 / bf16-rounded fp32 (bit for bit the bf16 output widened), fp32 output within 1e-4
     (exact products, fp32 sums; the MMA kernel's bound is TOL), deterministic; N and K tails (200 x 1000)
@@ -229,8 +247,8 @@ def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
     xd, xs, wd, ws = block_operands(1, n, k, seed=n + k)
     bias = torch.randn(n, device=DEV)
     calls = []
-    real = G._launch_gemv
-    monkeypatch.setattr(G, "_launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = GF._launch_gemv
+    monkeypatch.setattr(GF, "_launch_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
     for b in (None, bias):
         r = ref if b is None else ref + b
@@ -245,22 +263,22 @@ def test_m1_runs_the_cuda_core_gemv(G, nk, monkeypatch):
         mma = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.float32, split_k=2)
         assert rel(f32, r) <= 1e-4 and rel(mma, r) <= TOL[torch.float32]
     assert len(calls) == 8
-    monkeypatch.setattr(G, "GEMV_M1", False)
+    monkeypatch.setattr(P, "GEMV_M1", False)
     G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
     assert len(calls) == 8
 
 
 @pytest.mark.gpu
-def test_gemv_configs_entry_is_dispatched(G, monkeypatch):
+def test_gemv_configs_entry_is_dispatched(G, P, GF, monkeypatch):
     """M = 1 runs a GEMV_CONFIGS entry for (device, N, K) exactly as `_launch_gemv` with those knobs; other knobs
     stay within 1e-4 of the reference (exact products, fp32 sums in another order)."""
     xd, xs, wd, ws = block_operands(1, 384, 1536, seed=7)
     dev = xd.device
     cfg = dict(block_n=4, groups=4, num_stages=2, num_warps=2)
     seen = []
-    real = G._launch_gemv
-    monkeypatch.setattr(G, "_launch_gemv", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    monkeypatch.setitem(G.GEMV_CONFIGS, (G._device_name(dev.type, dev.index), 384, 1536), cfg)
+    real = GF._launch_gemv
+    monkeypatch.setattr(GF, "_launch_gemv", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    monkeypatch.setitem(P.GEMV_CONFIGS, (P._device_name(dev.type, dev.index), 384, 1536), cfg)
     tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
     assert seen[-1] == cfg
     explicit = torch.empty_like(tuned)
@@ -404,7 +422,7 @@ def test_split_k_tiles_vs_reference_exactly(G, m, n, k):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("split, fused", [(1, True), (2, True), (2, False), (3, True)])
-def test_bias_and_bf16_rounding_epilogues(G, split, fused):
+def test_bias_and_bf16_rounding_epilogues(G, GF, split, fused):
     """Bias in the epilogue (one split), in the fused reduce and in the reduce kernel, within 1e-5 of the reference;
     rounding to bf16 values in each (fp32 carrier) gives torch's round-to-nearest-even of the same fp32 output, and
     the bf16 output those values (the store rounds as the GPU's cvt.rn.bf16.f32: tests/support/interpret.py)."""
@@ -415,7 +433,7 @@ def test_bias_and_bf16_rounding_epilogues(G, split, fused):
     kw = dict(split_k=split, block_n=64, num_warps=4, num_stages=3, fused_reduce=fused)
     out = G.fp8_block_gemm_triton(*ops, bias=bias, out_dtype=torch.float32, **kw)
     assert rel(out, ref) <= TOL_INTERPRETER, rel(out, ref)
-    rounded = G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), bias, torch.float32, round_bf16=True, **kw)
+    rounded = GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), bias, torch.float32, round_bf16=True, **kw)
     assert not same_bits(rounded, out), "rounding to bf16 values changed nothing"
     assert same_bits(rounded, out.to(torch.bfloat16).float())
     as_bf16 = G.fp8_block_gemm_triton(*ops, bias=bias, out_dtype=torch.bfloat16, **kw)
@@ -424,13 +442,13 @@ def test_bias_and_bf16_rounding_epilogues(G, split, fused):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("n, k, block_n, groups", [(256, 1024, 8, 8), (200, 896, 4, 8), (136, 1000, 8, 2)])
-def test_gemv_kernel_vs_reference_exactly(G, n, k, block_n, groups):
+def test_gemv_kernel_vs_reference_exactly(G, GF, n, k, block_n, groups):
     """The M = 1 CUDA-core kernel (`_launch_gemv`; on the GPU M = 1 calls take it by themselves): rows per program,
     groups per step, N and K tails (200, 136; K = 1000), a bias, within 1e-5 of the float64 reference."""
     x, xs, w, ws = block_operands(1, n, k, seed=n)
     bias = blocky(1, n, 1, 8, seed=n + 1)[0]
     ref = G.fp8_block_linear_reference(x, xs, w, ws, bias=bias, out_dtype=torch.float32)
     out = torch.empty((1, n), dtype=torch.float32, device=DEV)
-    G._launch_gemv(x, xs, xs.stride(), w, ws, ws.stride(), bias, out, False, block_n=block_n, groups=groups,
+    GF._launch_gemv(x, xs, xs.stride(), w, ws, ws.stride(), bias, out, False, block_n=block_n, groups=groups,
                    num_stages=2, num_warps=2)
     assert rel(out, ref) <= TOL_INTERPRETER, f"GEMV N={n} K={k} block_n={block_n} groups={groups}: {rel(out, ref):.2e}"

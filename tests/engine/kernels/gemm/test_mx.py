@@ -1,4 +1,4 @@
-"""The MX GEMM of engine/kernels/gemm.py (`mx_linear`: MXFP8 x MXFP8, bf16 / fp32 x MXFP8 / MXFP4 / NVFP4, dequantized
+"""The MX GEMM of engine/kernels/gemm_mx.py (`mx_linear`: MXFP8 x MXFP8, bf16 / fp32 x MXFP8 / MXFP4 / NVFP4, dequantized
 inside the Triton kernel) against its float64 reference, its scale / E2M1 decoders on every code, the weight repacking,
 and the machine code of its decode loop.
 
@@ -21,9 +21,9 @@ from tests.support.interpret import INTERPRET, by_device
 def G():
     """The kernel module (needs Triton)."""
     pytest.importorskip("triton")
-    from engine.kernels import gemm
+    from engine.kernels import gemm_mx
 
-    return gemm
+    return gemm_mx
 
 
 # ------------------------------------------------------------------ MX / NVFP4
@@ -31,7 +31,7 @@ try:  # a module-level kernel: the interpreter resolves the helpers it calls fro
     import triton
     import triton.language as tl
 
-    from engine.kernels.gemm import _e2m1_bytes_to_bf16, _e2m1_nibble_to_f32, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
+    from engine.kernels.gemm_mx import _e2m1_bytes_to_bf16, _e2m1_nibble_to_f32, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
 
     @triton.jit
     def _decode_scale_codes(c_ptr, e8_ptr, e4_ptr):

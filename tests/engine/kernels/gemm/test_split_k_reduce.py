@@ -17,6 +17,10 @@ import pytest
 import torch
 
 from engine.kernels import gemm as G
+from engine.kernels import decode_plan as P
+from engine.kernels import gemm_fp8 as GF
+from engine.kernels import gemm_mx as GM
+from engine.kernels import splitk as SK
 from tests.engine.kernels.gemm.common import TOL, Launch, block_operands, randn, rel, same_bits
 from tests.engine.kernels.gemm.common import zero_operands as _operands
 from tests.support.interpret import INTERPRET, by_device
@@ -27,25 +31,24 @@ GEMM_TOL = TOL[torch.float32]
 @pytest.fixture
 def fresh(monkeypatch):
     """Empty counter registries for the test."""
-    monkeypatch.setattr(G, "_COUNTERS", {})
-    monkeypatch.setattr(G, "_RETIRED", [])
-    return G
+    monkeypatch.setattr(SK, "_COUNTERS", {})
+    monkeypatch.setattr(SK, "_RETIRED", [])
 
 
 def test_counters_grow_by_doubling_and_retire_without_freeing(fresh):
     """Large enough: the same zeroed buffer. Too small: a new zeroed one, at least twice as large; the old one
     stays allocated (a CUDA graph captured with it still uses its address)."""
     dev = torch.device("cpu")
-    a = fresh._tile_counters(dev, 10)
+    a = SK._tile_counters(dev, 10)
     assert a.dtype == torch.int32 and a.numel() == 4096 and int(a.abs().sum()) == 0
-    assert fresh._tile_counters(dev, 4096) is a
+    assert SK._tile_counters(dev, 4096) is a
     old = weakref.ref(a)
     del a
-    b = fresh._tile_counters(dev, 4097)
+    b = SK._tile_counters(dev, 4097)
     gc.collect()
     assert b.numel() == 8192 and old() is not None and old() is not b
-    assert fresh._tile_counters(dev, 5 << 13).numel() == 5 << 13
-    assert len(fresh._RETIRED) == 2
+    assert SK._tile_counters(dev, 5 << 13).numel() == 5 << 13
+    assert len(SK._RETIRED) == 2
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -53,10 +56,10 @@ def test_split_k_dispatch(fresh, monkeypatch, fused):
     """4 K splits: fused, one launch with FUSED_REDUCE that gets the shared counters and no reduce kernel; not
     fused, the reduce kernel sums the launch's partials (the same bits, one launch more)."""
     kern, reduced = Launch(), []
-    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
-    monkeypatch.setattr(fresh, "_reduce", lambda part, out, *a, **kw: reduced.append(part))
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(SK, "_reduce", lambda part, out, *a, **kw: reduced.append(part))
     x, xs, w, ws = _operands()
-    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+    G.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
                                 num_stages=3, fused_reduce=fused)
     (grid, args, meta), = kern.calls
     assert grid == (4, 1, 4) and tuple(args[5].shape) == (4, 3, 256)
@@ -64,9 +67,9 @@ def test_split_k_dispatch(fresh, monkeypatch, fused):
     # 16 programs on the CPU's 4 "SMs": more than 2 per SM, one partial per round trip; unfused: no reduce in-kernel
     assert meta["RED"] == 1
     if fused:
-        assert not reduced and args[7] is fresh._COUNTERS[x.device]
+        assert not reduced and args[7] is SK._COUNTERS[x.device]
     else:
-        assert reduced and reduced[0] is args[5] and x.device not in fresh._COUNTERS
+        assert reduced and reduced[0] is args[5] and x.device not in SK._COUNTERS
 
 
 @pytest.mark.parametrize("sms, red", [(8, 4), (7, 1), (1000, 4)])
@@ -74,11 +77,12 @@ def test_split_k_dispatch_passes_the_burst_rule(fresh, monkeypatch, sms, red):
     """The fused reduce's RED is `reduce_burst` of the launch's splits and program count: 16 programs over 8 SMs
     fit 2 per SM (4 partials per trip), over 7 they do not (1)."""
     kern = Launch()
-    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
-    monkeypatch.setattr(fresh, "sm_count", lambda device: sms)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(P, "sm_count", lambda device: sms)
+    monkeypatch.setattr(GF, "sm_count", lambda device: sms)
     x, xs, w, ws = _operands()
-    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
-                                num_stages=3, fused_reduce=True)
+    G.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+                            num_stages=3, fused_reduce=True)
     (grid, _, meta), = kern.calls
     assert grid == (4, 1, 4) and meta["RED"] == red
 
@@ -89,29 +93,29 @@ def test_split_k_dispatch_passes_the_burst_rule(fresh, monkeypatch, sms, red):
 def test_reduce_burst_rule(monkeypatch, splits, programs, sms, burst, red):
     """Partials per round trip: none to sum without a split; 2 for 2 splits; REDUCE_BURST for more; 1 once the grid
     needs more than 2 programs per SM (the burst's registers could cost one) or when REDUCE_BURST is 1."""
-    monkeypatch.setattr(G, "REDUCE_BURST", burst)
-    assert G.reduce_burst(splits, programs, sms) == red
+    monkeypatch.setattr(SK, "REDUCE_BURST", burst)
+    assert SK.reduce_burst(splits, programs, sms) == red
 
 
 def test_unsplit_call_uses_no_counters(fresh, monkeypatch):
     """One K split: no partials, no counters, no reduce, whatever fused_reduce says."""
     kern = Launch()
-    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", kern)
     x, xs, w, ws = _operands()
-    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=1, block_n=64, num_warps=4,
+    G.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=1, block_n=64, num_warps=4,
                                 num_stages=3, fused_reduce=True)
     (_, _, meta), = kern.calls
-    assert meta["FUSED_REDUCE"] is False and meta["USE_PART"] is False and not fresh._COUNTERS
+    assert meta["FUSED_REDUCE"] is False and meta["USE_PART"] is False and not SK._COUNTERS
 
 
 # ------------------------------------------------------------------------------------------ cluster reduce
 def test_cluster_knob_falls_back_to_the_counters_off_cuda(fresh, monkeypatch):
     """cluster=True where clusters cannot run (here: the CPU) is the fused reduce: same bits, the normal launch."""
     kern = Launch()
-    monkeypatch.setattr(fresh, "_fp8_block_gemm_kernel", kern)
-    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: pytest.fail("no cluster launch off CUDA"))
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", kern)
+    monkeypatch.setattr(GF.cl, "launch", lambda *a, **kw: pytest.fail("no cluster launch off CUDA"))
     x, xs, w, ws = _operands()
-    fresh.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
+    G.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
                                 num_stages=3, fused_reduce=True, cluster=True)
     (grid, _, meta), = kern.calls
     assert grid == (4, 1, 4) and meta["FUSED_REDUCE"] is True and "CLUSTER" not in meta
@@ -127,10 +131,10 @@ class _FakeCuda:
                                           (1, 64, False), (3, 64, False), (16, 64, False), (16, 128, False)])
 def test_cluster_rules(monkeypatch, splits, bn, ok):
     """Portable cluster sizes 2 / 4 / 8 only (a single split needs no reduce; 16 is non-portable)."""
-    monkeypatch.setattr(G.cl, "supported", lambda index: True)
-    assert G._cluster_ok(_FakeCuda(), splits, bn) is ok
-    monkeypatch.setattr(G.cl, "supported", lambda index: False)  # before sm_90
-    assert G._cluster_ok(_FakeCuda(), splits, bn) is False
+    monkeypatch.setattr(GF.cl, "supported", lambda index: True)
+    assert GF._cluster_ok(_FakeCuda(), splits, bn) is ok
+    monkeypatch.setattr(GF.cl, "supported", lambda index: False)  # before sm_90
+    assert GF._cluster_ok(_FakeCuda(), splits, bn) is False
 
 
 def test_cluster_dispatch_passes_every_kernel_argument(fresh, monkeypatch):
@@ -138,17 +142,17 @@ def test_cluster_dispatch_passes_every_kernel_argument(fresh, monkeypatch):
     clusters of `splits` CTAs over (N tiles, M tiles) with BN x BM fp32 of reduce region each, and allocates neither
     partials nor counters."""
     calls = []
-    monkeypatch.setattr(fresh, "_cluster_ok", lambda x, splits, bn: True)
-    monkeypatch.setattr(fresh.cl, "launch", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(GF, "_cluster_ok", lambda x, splits, bn: True)
+    monkeypatch.setattr(GF.cl, "launch", lambda *a, **kw: calls.append((a, kw)))
     x, xs, w, ws = _operands(m=20, n=320, k=1920)
-    out = fresh.fp8_block_gemm_triton(x, xs, w, ws, bias=torch.ones(320), out_dtype=torch.bfloat16, split_k=8,
+    out = G.fp8_block_gemm_triton(x, xs, w, ws, bias=torch.ones(320), out_dtype=torch.bfloat16, split_k=8,
                                       block_n=32, num_warps=4, num_stages=5, cluster=True)
     ((kernel, grid, size, region, args), opts), = calls
-    assert kernel is G._fp8_block_gemm_kernel and set(args) == set(kernel.arg_names)
+    assert kernel is GF._fp8_block_gemm_kernel and set(args) == set(kernel.arg_names)
     assert grid == (10, 1) and size == 8 and region == 32 * 32 * 4 and opts == dict(num_warps=4, num_stages=5)
     assert args["CLUSTER"] == 8 and args["groups_per_split"] == 2 and args["n_splits"] == 8
     assert args["out_ptr"] is args["part_ptr"] and args["HAS_BIAS"] is True and args["FUSED_REDUCE"] is False
-    assert out.shape == (20, 320) and not fresh._COUNTERS
+    assert out.shape == (20, 320) and not SK._COUNTERS
 
 
 class _Compiled:
@@ -200,7 +204,7 @@ def test_fp8_gemm_knobs_and_fused_reduce(m):
             fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32, split_k=split,
                                             block_n=bn, num_warps=4, num_stages=3, fused_reduce=True)
             assert torch.equal(fused, plain), (bn, split)
-    assert int(G._COUNTERS[xd.device].abs().sum()) == 0  # the last split of each tile reset its counter
+    assert int(SK._COUNTERS[xd.device].abs().sum()) == 0  # the last split of each tile reset its counter
     with pytest.raises(ValueError, match="block_n"):
         G.fp8_block_gemm_triton(xd, xs, wd, ws, block_n=48)
 
@@ -220,22 +224,22 @@ def test_fused_reduce_bursts_same_bits(monkeypatch, k, splits):
     xd, xs, wd, ws = block_operands(m, n, k, seed=k)
     x = randn(m, k, seed=3).to(torch.bfloat16)
     w32 = randn(n, k, seed=4)
-    mx_cases = [(quantize(x.float(), "mxfp8"), G.prepare_mx_weight(quantize(w32, "mxfp8"))),
-                (x, G.prepare_mx_weight(quantize(w32, "nvfp4")))]
+    mx_cases = [(quantize(x.float(), "mxfp8"), GM.prepare_mx_weight(quantize(w32, "mxfp8"))),
+                (x, GM.prepare_mx_weight(quantize(w32, "nvfp4")))]
     for split in splits:
-        assert G._plan_split(m, n, k // 128, 16, 64, xd.device, split)[0] == split
+        assert P._plan_split(m, n, k // 128, 16, 64, xd.device, split)[0] == split
         kw = dict(split_k=split, block_n=64, num_warps=4, num_stages=3, sliced=False)
         plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=False, **kw)
         # the interpreter: 5 splits (short last bursts of 4 and of 2) of the NVFP4 case, whose reduce applies the tensor
         # scale (the MXFP8 one sums as the FP8 kernel's does)
         mx = (mx_cases if split in (4, 5, 9) else []) if not INTERPRET else (mx_cases[1:] if split == 5 else [])
-        mx_plain = [G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=False) for a, b in mx]
+        mx_plain = [GM.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=False) for a, b in mx]
         for burst in (4, 2, 1):
-            monkeypatch.setattr(G, "reduce_burst", lambda splits, programs, sms, r=burst: r)
+            monkeypatch.setattr(SK, "reduce_burst", lambda splits, programs, sms, r=burst: r)
             fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, fused_reduce=True, **kw)
             assert same_bits(fused, plain), (split, burst)
             for (a, b), ref in zip(mx, mx_plain):
-                got = G.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=True)
+                got = GM.mx_linear(a, b, out_dtype=torch.float32, split_k=split, fused_reduce=True)
                 assert same_bits(got, ref), (split, burst)
 
 
@@ -244,26 +248,26 @@ def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
     """A CUDA graph captured with the fused split-K reduce keeps working after a call with more tiles has grown the
     counter buffer: the old buffer is retired, not freed, and every call leaves its counters at zero."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setitem(G._COUNTERS, dev, torch.zeros(8, dtype=torch.int32, device=dev))
-    monkeypatch.setattr(G, "_RETIRED", [])
-    small = weakref.ref(G._COUNTERS[dev])  # only the module may keep the captured buffer alive
+    monkeypatch.setitem(SK._COUNTERS, dev, torch.zeros(8, dtype=torch.int32, device=dev))
+    monkeypatch.setattr(SK, "_RETIRED", [])
+    small = weakref.ref(SK._COUNTERS[dev])  # only the module may keep the captured buffer alive
     xd, xs, wd, ws = block_operands(4, 512, 2048, seed=40)  # 8 tiles of 64 rows
     kw = dict(out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4, num_stages=3, fused_reduce=True,
               sliced=False)  # M = 4 with 4 splits would otherwise run the sliced kernel, which has no counters
     want = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
-    assert G._COUNTERS[dev] is small()
+    assert SK._COUNTERS[dev] is small()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
     big = block_operands(4, 2048, 2048, seed=41)  # 32 tiles: a new counter buffer
     G.fp8_block_gemm_triton(*big, **kw)
-    assert G._COUNTERS[dev] is not small() and G._COUNTERS[dev].numel() >= 4096
+    assert SK._COUNTERS[dev] is not small() and SK._COUNTERS[dev].numel() >= 4096
     assert small() is not None  # retired, not freed: the graph's counters are still this tensor's memory
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
-    assert int(small().abs().sum()) == 0 and int(G._COUNTERS[dev].abs().sum()) == 0
+    assert int(small().abs().sum()) == 0 and int(SK._COUNTERS[dev].abs().sum()) == 0
 
 
 @pytest.fixture
@@ -302,7 +306,7 @@ def test_cluster_reduce_same_bits_as_fused(m, cluster_launches):
                 cases += 1
             assert rel(clus, ref) < 1e-2  # bf16 output
             strides = (xs.stride(0), xs.stride(1)), (ws.stride(0), ws.stride(1))
-            rounded = [G._launch_fp8(xd, xs, strides[0], wd, ws, strides[1], bias, torch.float32, split, block_n=bn,
+            rounded = [GF._launch_fp8(xd, xs, strides[0], wd, ws, strides[1], bias, torch.float32, split, block_n=bn,
                                      num_warps=4, num_stages=3, round_bf16=True, **{key: True})
                        for key in ("fused_reduce", "cluster")]
             assert torch.equal(rounded[1], rounded[0]) and torch.equal(rounded[1], rounded[1].bfloat16().float())
@@ -332,7 +336,7 @@ def test_split_k_reduce_with_nan_and_inf_partials(m, how, cluster_launches):
     if how == "cluster":
         assert cluster_launches == [2, 8]
     else:
-        assert int(G._COUNTERS[xd.device].abs().sum()) == 0 and not cluster_launches
+        assert int(SK._COUNTERS[xd.device].abs().sum()) == 0 and not cluster_launches
 
 
 @pytest.mark.gpu

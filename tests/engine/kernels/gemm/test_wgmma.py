@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from engine.kernels import gemm as G
+from engine.kernels import decode_plan as P
+from engine.kernels import gemm_fp8 as GF
 from engine.kernels import gemm_wgmma as GW
 from tests.engine.kernels.gemm.common import TOL, Launch, block_operands, rel
 from tests.engine.kernels.gemm.common import zero_operands as _operands
@@ -93,15 +95,15 @@ def test_whole_k_dispatch(monkeypatch):
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
-    monkeypatch.setattr(G, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(G, "_fp8_block_gemm_tuned", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
+    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands()
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, block_n=16, num_stages=5,
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, block_n=16, num_stages=5,
                   whole_k=2)
     assert launched == [(GW.BLOCK_N, GW.default_stages(GW.BLOCK_N), GW.GPS), (16, 5, 2)] and split.calls == []
     monkeypatch.setattr(GW, "usable", lambda *a: False)
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
     assert len(launched) == 2 and len(split.calls) == 1
     grid, _, meta = split.calls[0]
     assert grid == (256 // 64, 1, 1) and meta["USE_PART"] is False and meta["BN"] == 64
@@ -114,10 +116,10 @@ def test_whole_k_from_a_decode_configs_entry(monkeypatch):
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
     x, xs, w, ws = _operands(m=8)
-    key = (G._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
-    monkeypatch.setitem(G.DECODE_CONFIGS, key, dict(whole_k=4, block_n=32, num_stages=3))
-    G._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
-    assert launched == [(32, 3, 4)] and "whole_k" in G.DECODE_KNOBS
+    key = (P._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
+    monkeypatch.setitem(P.DECODE_CONFIGS, key, dict(whole_k=4, block_n=32, num_stages=3))
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    assert launched == [(32, 3, 4)] and "whole_k" in P.DECODE_KNOBS
 
 
 def test_usable_refuses_cpu_tensors():
@@ -477,7 +479,7 @@ def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
 
 def _wgmma_entries():
     """The H200's DECODE_CONFIGS entries that select the wgmma kernel (read without touching a device)."""
-    return sorted(key for key, knobs in G.DECODE_CONFIGS.items() if key[0] == "NVIDIA H200" and knobs.get("wgmma"))
+    return sorted(key for key, knobs in P.DECODE_CONFIGS.items() if key[0] == "NVIDIA H200" and knobs.get("wgmma"))
 
 
 @pytest.mark.gpu
