@@ -91,11 +91,12 @@ class _ExpertStacks:
     ``model.layers.{i}.mlp.experts.gate_up_proj`` (experts, 2*inter, d): expert e's gate
     projection in rows [0, inter), its up projection in rows [inter, 2*inter);
     ``model.layers.{i}.mlp.experts.down_proj`` (experts, d, inter). A stack is allocated
-    when its layer's first expert tensor is read; `missing` lists the slots never filled.
+    when its layer's first expert tensor is read (on `device`: the host by default); `missing` lists the slots
+    never filled.
     """
 
-    def __init__(self, cfg: ModelConfig, where: str):
-        self.cfg, self.where = cfg, where
+    def __init__(self, cfg: ModelConfig, where: str, device: torch.device | str | None = None):
+        self.cfg, self.where, self.device = cfg, where, device
         self.stacks: dict[str, torch.Tensor] = {}
         self.filled: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> checkpoint name
 
@@ -121,7 +122,7 @@ class _ExpertStacks:
         key = f"model.layers.{layer}.mlp.experts.{kind}"
         if key not in self.stacks:
             full = (moe.num_experts, d, inter) if part == "down" else (moe.num_experts, 2 * inter, d)
-            self.stacks[key] = torch.empty(full, dtype=torch.float32)
+            self.stacks[key] = torch.empty(full, dtype=torch.float32, device=self.device)
         dst = self.stacks[key][e]  # (d, inter) or (2*inter, d)
         if part == "gate":
             dst = dst[:inter]

@@ -24,7 +24,7 @@ from evalharness.data import Windows, load_corpus_tokens, make_windows, tokens_n
 # name -> {setting: (type, default)}; the suite validator uses this table.
 EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None),
-                    "local": (bool, True)},
+                    "local": (bool, True), "layer_local": (bool, False)},
     "ppl_kld": {"seq_len": (int, 128), "stride": (int, None), "max_windows": (int, 16), "max_tokens": (int, 200_000),
                 "bos": (bool, True), "ref_topk": (int, None)},
     "invariance": {"variants": (list, None), "windows": (int, 4), "seq_len": (int, 64), "reruns": (int, 2),

@@ -113,14 +113,35 @@ def _selected(name: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _local_inputs(name: str, n_layers: int) -> tuple[int, str] | None:
+    """(layer, role) of a reference tap that a layer's fed run needs: 'in' (embed = layer 0's input, layer i-1's
+    resid_out = layer i's input) and / or 'out' (layer i's resid_out); None for other taps."""
+    if name == "embed":
+        return 0, "in"
+    if name.startswith("layers.") and name.endswith(".resid_out"):
+        return int(name.split(".")[1]), "out"
+    return None
+
+
 def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
-    """Per-tap rel_l2 / cosine / SQNR / max / mean / p99 abs error, plus quantization statistics per site."""
+    """Per-tap rel_l2 / cosine / SQNR / max / mean / p99 abs error, plus quantization statistics per site.
+
+    With ``layer_local: true``, also each layer's *local* error: the engine's layer fed the reference's input of
+    that layer, against the reference's output (``layers.{i}.layer_local.<stat>``), next to the propagated error
+    of the same output (``layers.{i}.resid_out.<stat>``). Resident models run batch by batch; layer-streamed
+    ones (`evalharness.streamed`) in one layer-major pass, with the same results."""
+    from evalharness.streamed import co_stream, is_streamed
+
     win = ctx.windows(cfg["seq_len"], None, cfg["windows"], max(cfg["windows"] * cfg["seq_len"] * 2, 4096), cfg["bos"])
     acc: dict[str, ErrorAccumulator | OverlapAccumulator] = {}
     order: list[str] = []
-    sat = defaultdict(lambda: [0.0, 0.0, 0.0])  # site -> [saturated, underflowed, elements]
+    # (site, module) -> [saturated, underflowed, elements]: summed per module in the order the modules first
+    # appear, then per site, so that batch-major and layer-major passes add in the same order
+    sat = defaultdict(lambda: [0.0, 0.0, 0.0])
     patterns = cfg["taps"]
     local = LocalSums() if cfg.get("local", True) else None
+    fed: dict[int, ErrorAccumulator] = {}  # layer -> its local (reference-fed) error
+    streamed = is_streamed(ctx.engine) or is_streamed(ctx.reference)
 
     def observe(module: str, site: str, q) -> None:
         stats_fn = getattr(q, "stats", None)
@@ -128,15 +149,21 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
             return
         st = stats_fn()
         n = float(torch.Size(q.shape).numel())
-        rec = sat[site]
+        rec = sat[(site, module)]
         rec[0] += st.get("saturation_frac", 0.0) * n
         rec[1] += st.get("underflow_frac", 0.0) * n
         rec[2] += n
 
-    for start, inputs, _ in win.batches(ctx.batch_size):
+    def fold_fed(i: int, y: torch.Tensor, ref_out: torch.Tensor) -> None:
+        fed.setdefault(i, ErrorAccumulator()).update(y, ref_out.float())
+
+    def sinks(resid: dict | None):
+        """(reference tap sink, engine tap sink, the batch's pending reference taps)."""
         ref_taps: dict[str, torch.Tensor] = {}
 
         def ref_sink(name: str, t: torch.Tensor) -> None:
+            if resid is not None and _local_inputs(name, 0) is not None:
+                resid[name] = t.detach().float()
             if _selected(name, patterns):
                 ref_taps[name] = t.detach() if name.endswith(ID_TAP_SUFFIX) else t.detach().float()
 
@@ -148,11 +175,30 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
                 order.append(name)
             acc[name].update(t, ref_taps.pop(name))
 
-        ctx.reference.logits(inputs, tap=ref_sink)
-        if local is None:
-            ctx.engine.logits(inputs, tap=eng_sink, observer=observe)
-        else:
-            ctx.engine.logits(inputs, tap=eng_sink, observer=observe, local=local)
+        return ref_sink, eng_sink, ref_taps
+
+    batches = list(win.batches(ctx.batch_size))
+    if streamed:
+        made = [sinks(None) for _ in batches]
+        co_stream([x for _, x, _ in batches], ctx.reference, ctx.engine, ref_tap=lambda b: made[b][0],
+                  eng_tap=lambda b: made[b][1], observer=observe, local=local,
+                  layer_fed=(lambda i, b, y, r: fold_fed(i, y, r)) if cfg["layer_local"] else None,
+                  counters=ctx.counters)
+        pending = [made[b][2] for b in range(len(batches))]
+    else:
+        pending = []
+        for start, inputs, _ in batches:
+            resid: dict | None = {} if cfg["layer_local"] else None
+            ref_sink, eng_sink, ref_taps = sinks(resid)
+            ctx.reference.logits(inputs, tap=ref_sink)
+            if local is None:
+                ctx.engine.logits(inputs, tap=eng_sink, observer=observe)
+            else:
+                ctx.engine.logits(inputs, tap=eng_sink, observer=observe, local=local)
+            pending.append(ref_taps)
+            if resid is not None:
+                _fed_resident(ctx.engine, inputs, resid, fold_fed)
+    for ref_taps in pending:
         missing = [n for n in ref_taps]
         if missing:
             raise RuntimeError(f"layer_error: the engine emitted no tap for reference tap(s) {missing[:5]}")
@@ -178,13 +224,36 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
     metrics["nonfinite_frac"] = bad / max(seen, 1)
     metrics["n_taps"] = float(len(order))
     metrics["n_tokens"] = float(win.inputs.numel())
-    for site, (s, u, n) in sorted(sat.items()):
+    per_site: dict[str, list[float]] = {}
+    for (site, _module), rec in sat.items():
+        tot = per_site.setdefault(site, [0.0, 0.0, 0.0])
+        for k in range(3):
+            tot[k] += rec[k]
+    for site, (s, u, n) in sorted(per_site.items()):
         if n:
             metrics[f"quant.{site}.saturation_frac"] = s / n
             metrics[f"quant.{site}.underflow_frac"] = u / n
+    for i in sorted(fed):
+        res = fed[i].result()
+        for stat in REPORTED:
+            metrics[f"layers.{i}.layer_local.{stat}"] = res[stat]
     samples = {"tap_order": order, "worst_tap": [worst] if worst else []}
     if local is not None:
         lm, worst_modules = local.result()
         metrics.update(lm)
         samples["local_worst_module"] = worst_modules
     return metrics, samples
+
+
+def _fed_resident(engine, inputs: torch.Tensor, resid: dict[str, torch.Tensor], fold) -> None:
+    """Each layer of a resident engine fed the reference's input of that layer (`engine.streaming.layer_fed`):
+    `fold(i, output, reference output)` per layer, from the reference's embed / resid_out taps of this batch."""
+    from engine.streaming import layer_fed
+
+    if getattr(engine, "parallel", None) is not None and engine.parallel.size > 1:
+        raise ValueError("layer_error.layer_local: not available under tensor / expert parallelism (tp=ep=1)")
+    model, nx, w = engine.model, engine.nx, engine.weights
+    like = model.forward_start(nx, w, inputs.to(engine.device))
+    for i in range(model.cfg.num_layers):
+        x_in = resid["embed" if i == 0 else f"layers.{i - 1}.resid_out"].to(engine.device)
+        fold(i, layer_fed(model, nx, w, i, x_in, like), resid[f"layers.{i}.resid_out"])

@@ -31,6 +31,7 @@ import torch
 from evalharness import stats
 from evalharness.evals import EvalContext
 from evalharness.evals.tokenstats import TOPK_FIELDS, compare, reference_summary, select
+from evalharness.streamed import map_logits
 
 _CACHE_LIMIT_BYTES = 512 * 2**20
 POSITION_BUCKETS = 4  # metrics ppl_kld.pos{lo}_{hi}.* over equal slices of the window
@@ -83,8 +84,8 @@ def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
             ctx.counters["reference_cache_rejected"] = ctx.counters.get("reference_cache_rejected", 0) + 1
             path.unlink(missing_ok=True)
         ctx.counters["reference_passes_topk"] = ctx.counters.get("reference_passes_topk", 0) + 1
-        parts = [{n: t.cpu() for n, t in reference_summary(ctx.reference.logits(x), y, k).items()}
-                 for _, x, y in win.batches(ctx.batch_size)]
+        parts = map_logits(ctx.reference, win.batches(ctx.batch_size), lambda lg, batch: {
+            n: t.cpu() for n, t in reference_summary(lg, batch[2], k).items()}, ctx.counters)
         rec = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +103,8 @@ def reference_for(ctx: EvalContext, win, topk: int | None, cache_name: str) -> d
     if topk:
         return _ref_topk_cached(ctx, win, min(topk, ctx.vocab_size))
     return ctx.reference_cached((cache_name, win.sha256), lambda: {"logits": torch.cat(
-        [ctx.reference.logits(x).float() for _, x, _ in win.batches(ctx.batch_size)])})
+        map_logits(
+        ctx.reference, win.batches(ctx.batch_size), lambda lg, batch: lg.float(), ctx.counters))})
 
 
 def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
@@ -112,10 +114,9 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     if topk is None and win.n * win.inputs.shape[1] * ctx.vocab_size * 4 > _CACHE_LIMIT_BYTES:
         topk = DEFAULT_TOPK
     ref_all = reference_for(ctx, win, topk, "ppl_kld_ref")
-    parts = []  # per batch: the per-token comparison, on the engine's device until the end
-    for start, inputs, targets in win.batches(ctx.batch_size):
-        tok = compare(select(ref_all, start, inputs.shape[0]), ctx.engine.logits(inputs), targets)
-        parts.append(tok)
+    # per batch: the per-token comparison, on the engine's device until the end
+    parts = map_logits(ctx.engine, win.batches(ctx.batch_size), lambda lg, batch: compare(
+        select(ref_all, batch[0], batch[1].shape[0]), lg, batch[2]), ctx.counters)
     tok = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # (windows, t) each
     targets = win.targets
     mask = targets >= 0  # (windows, t) scored positions

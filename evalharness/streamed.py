@@ -1,0 +1,119 @@
+"""Layer-major passes over window batches: the FP32 reference and the engine advanced stage by stage together.
+
+A layer-streamed model (`engine.streaming.StreamedEngine`, `evalharness.streamed_reference.StreamedReference`)
+is run over all batches of an eval at once: for each stage (embedding, each decoder layer, head) its weights are
+read once (one fp32 read shared by the two models on one device), every batch goes through the reference's stage
+and then the engine's, and the stage's weights are dropped. Per batch the callbacks see what the resident path
+shows them, in the same order per tap: tap callbacks per stage, logits at the head.
+
+`map_logits` is the evals' one entry point for "logits of every batch": resident models are called batch by
+batch, streamed ones get one layer-major pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from engine.streaming import stages
+
+
+def is_streamed(model: Any) -> bool:
+    """Whether a model (engine or reference) runs layer-streamed."""
+    return bool(getattr(model, "streamed", False))
+
+
+def _moved(state, device, reference: bool):
+    """A between-stages state on `device` (the reference's (hidden, shape), the engine's `LayerState`)."""
+    if state is None or isinstance(state, torch.Tensor):
+        return state
+    if reference:
+        return (state[0].to(device), state[1])
+    from engine.streaming import _to
+
+    return _to(state, device)
+
+
+def co_stream(inputs: Sequence[torch.Tensor], reference=None, engine=None,
+              ref_tap: Callable[[int], Optional[Callable]] = lambda b: None,
+              eng_tap: Callable[[int], Optional[Callable]] = lambda b: None,
+              observer=None, local=None,
+              ref_consume: Optional[Callable[[int, torch.Tensor], Any]] = None,
+              eng_consume: Optional[Callable[[int, torch.Tensor], Any]] = None,
+              layer_fed: Optional[Callable[[int, int, torch.Tensor, torch.Tensor], None]] = None,
+              offload: bool | None = None, counters: dict | None = None) -> tuple[list, list]:
+    """One layer-major pass of `inputs` (a (batch, t) token tensor per batch) through `reference` and / or `engine`.
+
+    Per stage and batch, the reference's stage runs first (taps to `ref_tap(b)`), then the engine's (taps to
+    `eng_tap(b)`, quantizations to `observer`, op-local sums to `local`). At the head, `ref_consume(b, logits)` /
+    `eng_consume(b, logits)` give what is returned per batch (default: the logits). `layer_fed(i, b, y, ref_out)`:
+    layer i of the engine fed the reference's input of that layer (`engine.streaming.layer_fed`) next to the
+    reference's output. `offload` keeps the activations on the host between stages (default: the models'
+    `offload` attribute, set from the memory plan). `counters` get
+    `streamed_bytes_read` and `streamed_stages`. Returns (reference results, engine results) per batch.
+    """
+    models = [m for m in (reference, engine) if m is not None]
+    if not models or not all(is_streamed(m) for m in models):
+        raise ValueError("co_stream needs streamed models (StreamedReference / StreamedEngine)")
+    store = models[0].store
+    if offload is None:
+        offload = any(getattr(m, "offload", False) for m in models)
+    cfg = store.cfg
+    n = len(inputs)
+    ref_states: list = list(inputs) if reference is not None else [None] * n
+    eng_states: list = list(inputs) if engine is not None else [None] * n
+    ref_out: list = [None] * n
+    eng_out: list = [None] * n
+    before = store.bytes_read
+    shared = reference is not None and engine is not None and reference.device == engine.device
+    for stage in stages(cfg):
+        master = store.load(stage, models[0].device)
+        w = None
+        if reference is not None:
+            reference.bind(stage, master)
+        if engine is not None:
+            w = engine.prepare(master if shared or reference is None else store.load(stage, engine.device), stage)
+        del master
+        for b in range(n):
+            ref_in = None
+            if reference is not None:
+                state = _moved(ref_states[b], reference.device, True)
+                ref_in = state
+                res = reference.run(stage, state, ref_tap(b))
+                if stage == "head":
+                    ref_out[b] = ref_consume(b, res) if ref_consume is not None else res
+                    res = None
+                ref_states[b] = _moved(res, "cpu", True) if offload else res
+            if engine is not None:
+                state = _moved(eng_states[b], engine.device, False)
+                res = engine.run(stage, w, state, eng_tap(b), observer, local)
+                if layer_fed is not None and isinstance(stage, int) and reference is not None:
+                    y = engine.local_step(w, stage, ref_in[0].to(engine.device), state)
+                    layer_fed(stage, b, y, ref_states[b][0])
+                if stage == "head":
+                    eng_out[b] = eng_consume(b, res) if eng_consume is not None else res
+                    res = None
+                eng_states[b] = _moved(res, "cpu", False) if offload else res
+        if reference is not None:
+            reference.release(stage)
+        del w
+    if counters is not None:
+        counters["streamed_bytes_read"] = counters.get("streamed_bytes_read", 0) + store.bytes_read - before
+        counters["streamed_stages"] = counters.get("streamed_stages", 0) + len(stages(cfg))
+    return ref_out, eng_out
+
+
+def map_logits(model, batches: Iterable[tuple], consume: Callable[[torch.Tensor, tuple], Any],
+               counters: dict | None = None, offload: bool | None = None) -> list:
+    """`consume(logits, batch)` for every `(start, inputs, targets)` batch: batch by batch for a resident model (the
+    iterable is read lazily), one layer-major pass for a streamed one (same bits per batch)."""
+    if not is_streamed(model):
+        return [consume(model.logits(batch[1]), batch) for batch in batches]
+    batches = list(batches)
+    inputs = [batch[1] for batch in batches]
+    if hasattr(model, "bind"):  # a StreamedReference
+        return co_stream(inputs, reference=model, ref_consume=lambda b, lg: consume(lg, batches[b]),
+                         counters=counters, offload=offload)[0]
+    return co_stream(inputs, engine=model, eng_consume=lambda b, lg: consume(lg, batches[b]), counters=counters,
+                     offload=offload)[1]
