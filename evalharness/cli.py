@@ -196,9 +196,11 @@ def _cmd_run(args) -> int:
 
             on_result, tracker = make_result_logger(args.out, args.tracking_uri, args.experiment)
         try:
-            from evalharness.progress import ProgressLog
+            from evalharness.progress import Progress
 
-            outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=ProgressLog())
+            progress = Progress()  # bars on a terminal; else one line per finished eval and run
+            outcomes = run_suite(suite, args.out, resume=args.resume, on_result=on_result, log=progress,
+                                 progress=progress)
         except BaseException as exc:  # Ctrl-C / SIGTERM: KILLED; anything else (a full disk): FAILED
             if tracker is not None:
                 tracker.close("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")

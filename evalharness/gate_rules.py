@@ -50,7 +50,11 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from evalharness.errors import ResultError
 
@@ -118,88 +122,179 @@ def rule_mode(rule: dict[str, Any]) -> str:
     return "limit"
 
 
-def _validate_rule(r: Any, i: int, where: str) -> dict[str, Any]:
-    """Check one rule; return a copy (the original is recorded as written)."""
-    at = f"{where}: gate.rules[{i}]"
-    if not isinstance(r, dict) or "metric" not in r:
-        raise ResultError(f"{at} must be a mapping with a 'metric' glob, got {r!r}")
-    bad = [k for k in r if k not in RULE_KEYS]
-    if bad:
-        raise ResultError(f"{at}: unknown key(s) {bad}; allowed: {list(RULE_KEYS)}")
-    if not isinstance(r["metric"], str) or not r["metric"]:
-        raise ResultError(f"{at}.metric must be a non-empty metric name or glob, got {r['metric']!r}")
-    if r.get("direction", "lower") not in ("lower", "higher"):
-        raise ResultError(f"{at}.direction must be 'lower' or 'higher', got {r.get('direction')!r}")
-    if r.get("severity", "fail") not in ("fail", "warn"):
-        raise ResultError(f"{at}.severity must be 'fail' or 'warn', got {r.get('severity')!r}")
-    for key in ("abs_tol", "rel_tol"):
-        if key in r:
-            _num(r[key], f"gate.rules[{i}].{key}", where)
-    for key in ("max", "min"):
-        if key in r:
-            _num(r[key], f"gate.rules[{i}].{key}", where, minimum=-math.inf)
-    if "noise_k" in r:
-        _num(r["noise_k"], f"gate.rules[{i}].noise_k", where, strict=True)
-    if "noise" in r:
-        if r["noise"] not in NOISE_SOURCES:
-            raise ResultError(f"{at}.noise must be one of {list(NOISE_SOURCES)}, got {r['noise']!r}")
-        if "noise_k" not in r:
-            raise ResultError(f"{at}: 'noise: {r['noise']}' needs 'noise_k' (the multiple of the noise floor)")
-    if "test" in r and r["test"] not in TESTS:
-        raise ResultError(f"{at}.test must be one of {list(TESTS)}, got {r['test']!r}")
-    if r.get("samples") is not None and (not isinstance(r["samples"], str) or "." not in r["samples"]):
-        raise ResultError(f"{at}.samples must name a per-sample array as '<eval>.<array>' "
-                          f"(e.g. ppl_kld.window_kld), got {r['samples']!r}")
-    modes = [k for k in ("noninferiority_margin", "tost_margin") if k in r]
-    if len(modes) > 1:
-        raise ResultError(f"{at}: give either noninferiority_margin or tost_margin, not both")
-    for key in modes:
-        parse_margin(r[key], f"gate.rules[{i}].{key}", where)
-        if not r.get("samples"):
-            raise ResultError(f"{at}: {key} needs 'samples' (a per-window array for the paired test)")
-        clash = [k for k in ("abs_tol", "rel_tol", "noise_k", "test") if k in r]
-        if clash:
-            raise ResultError(f"{at}: {key} is a test of its own; drop {clash} (or put them in a separate rule)")
-    if "test" in r and not r.get("samples"):
-        raise ResultError(f"{at}: 'test: {r['test']}' needs 'samples' (the per-window arrays it compares)")
-    return dict(r)
+Number = Annotated[Union[StrictInt, StrictFloat], Field(allow_inf_nan=False)]  # no bool, no "1.0" string, finite
+Margin = Union[StrictInt, StrictFloat, StrictStr]
+
+
+class _Schema(BaseModel):
+    """Unknown keys are errors; values are taken as written (no coercion of strings to numbers)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Rule(_Schema):
+    """One gate rule (module docstring); the checks across keys are in `_modes`."""
+
+    metric: Annotated[StrictStr, Field(min_length=1)]
+    direction: Literal["lower", "higher"] = "lower"
+    abs_tol: Annotated[Number, Field(ge=0)] | None = None
+    rel_tol: Annotated[Number, Field(ge=0)] | None = None
+    noise_k: Annotated[Number, Field(gt=0)] | None = None
+    noise: Literal[NOISE_SOURCES] | None = None  # type: ignore[valid-type]
+    samples: StrictStr | None = None
+    test: Literal[TESTS] | None = None  # type: ignore[valid-type]
+    noninferiority_margin: Margin | None = None
+    tost_margin: Margin | None = None
+    severity: Literal["fail", "warn"] = "fail"
+    max: Number | None = None
+    min: Number | None = None
+
+    @field_validator("samples")
+    @classmethod
+    def _array_name(cls, v: str | None) -> str | None:
+        if v is not None and "." not in v:
+            raise ValueError("no '.'")
+        return v
+
+    @field_validator("noninferiority_margin", "tost_margin")
+    @classmethod
+    def _margin(cls, v: Any) -> Any:
+        if v is not None:
+            try:
+                parse_margin(v, "margin", "rule")
+            except ResultError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _modes(self) -> "Rule":
+        given = self.model_fields_set
+        if "noise" in given and "noise_k" not in given:
+            raise PydanticCustomError("rule", "'noise: {noise}' needs 'noise_k' (the multiple of the noise floor)",
+                                      {"noise": self.noise})
+        modes = [k for k in ("noninferiority_margin", "tost_margin") if k in given]
+        if len(modes) > 1:
+            raise PydanticCustomError("rule", "give either noninferiority_margin or tost_margin, not both")
+        for key in modes:
+            if not self.samples:
+                raise PydanticCustomError("rule", "{key} needs 'samples' (a per-window array for the paired test)",
+                                          {"key": key})
+            clash = [k for k in ("abs_tol", "rel_tol", "noise_k", "test") if k in given]
+            if clash:
+                raise PydanticCustomError("rule", "{key} is a test of its own; drop {clash} (or put them in a "
+                                          "separate rule)", {"key": key, "clash": str(clash)})
+        if "test" in given and not self.samples:
+            raise PydanticCustomError("rule", "'test: {test}' needs 'samples' (the per-window arrays it compares)",
+                                      {"test": self.test})
+        return self
+
+
+class NoiseFloor(_Schema):
+    """`gate.noise_floor`: the run-key glob of the noise-floor runs."""
+
+    runs: StrictStr | None = None
+
+
+class Gate(_Schema):
+    """The `gate:` section (module docstring)."""
+
+    alpha: Annotated[Number, Field(gt=0, lt=1)] = 0.05
+    correction: Literal[CORRECTIONS] = "none"  # type: ignore[valid-type]
+    noise_floor: NoiseFloor | None = None
+    rules: list[Rule] | None = None
+
+
+# What a value must be, by key: the message of a value the schema refuses.
+_NEEDS = {
+    "metric": "a non-empty metric name or glob", "abs_tol": "a finite number >= 0", "rel_tol": "a finite number >= 0",
+    "noise_k": "a finite number > 0", "max": "a finite number", "min": "a finite number",
+    "samples": "a per-sample array as '<eval>.<array>' (e.g. ppl_kld.window_kld)",
+    "noninferiority_margin": "a positive number or a percentage like '25%'",
+    "tost_margin": "a positive number or a percentage like '25%'",
+    "alpha": "a number in (0, 1)", "runs": "a run-key glob string",
+    "noise_floor": "a mapping like {runs: '*__bf16__*'}",
+    "rules": "a list of rules",
+}
+_KEYS = {Gate: list(GATE_KEYS), Rule: list(RULE_KEYS), NoiseFloor: list(NOISE_FLOOR_KEYS)}
+
+
+def _path(loc: tuple) -> str:
+    """A pydantic error location as the suite's key path: ('rules', 1, 'abs_tol') -> 'gate.rules[1].abs_tol'."""
+    out = "gate"
+    for part in loc:
+        if part in ("int", "float", "str") or (isinstance(part, str) and part.startswith(("constrained-", "Strict"))):
+            continue  # pydantic's name of a member of a union, not a key
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _messages(exc: ValidationError, raw: dict[str, Any]) -> list[str]:
+    """Each refused key of a `gate:` section as one message (unknown keys of one mapping together), in the
+    schema's words: the key path, what it must be, the value given."""
+    out: dict[str, None] = {}
+    unknown: dict[str, list[str]] = {}
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        keys = [p for p in loc if isinstance(p, str)]
+        if err["type"] == "extra_forbidden":
+            unknown.setdefault(_path(loc[:-1]), []).append(str(loc[-1]))
+            continue
+        at = _path(loc)
+        if err["type"] == "rule":
+            out[f"{at}: {err['msg']}"] = None
+        elif err["type"] == "missing" and keys[-1:] == ["metric"]:
+            out[f"{_path(loc[:-1])} must be a mapping with a 'metric' glob, got {_at(raw, loc[:-1])!r}"] = None
+        elif err["type"] in ("model_type", "model_attributes_type", "dict_type") and len(loc) == 2:
+            out[f"{at} must be a mapping with a 'metric' glob, got {err['input']!r}"] = None
+        elif err["type"] == "literal_error":
+            out[f"{at} must be one of {err['ctx']['expected']}, got {err['input']!r}"] = None
+        else:
+            key = next((p for p in reversed(keys) if p in _NEEDS), None)
+            need = _NEEDS[key] if key else err["msg"]
+            out[f"{at} must be {need}, got {_at(raw, loc)!r}"] = None
+    for at, names in unknown.items():
+        model = {"gate": Gate, "gate.noise_floor": NoiseFloor}.get(at, Rule)
+        out[f"{at}: unknown key(s) {names}; allowed: {_KEYS[model]}"] = None
+    return list(out)
+
+
+def _at(raw: Any, loc: tuple) -> Any:
+    """The value the user wrote at `loc` (a union's member names skipped)."""
+    for part in loc:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+            raw = raw[part]
+    return raw
 
 
 def validate_rules(gate_cfg: dict[str, Any] | None, where: str) -> dict[str, Any]:
-    """Check a `gate:` section; returns {alpha, correction, noise_floor, rules} with defaults filled in.
+    """Check a `gate:` section against the schema (`Gate`, `Rule`, `NoiseFloor`); returns {alpha, correction,
+    noise_floor, rules} with defaults filled in, each rule as written.
 
     `where` names the file the section came from (the suite YAML or the results'
-    suite.json); every error message starts with it and names the key / rule index.
+    suite.json); every error message starts with it and names the key / rule index, what the value must be and the
+    value given (all refused keys, one per line).
     """
     if gate_cfg is not None and not isinstance(gate_cfg, dict):
         raise ResultError(f"{where}: gate must be a mapping with keys {list(GATE_KEYS)}")
-    gate_cfg = dict(gate_cfg or {})
-    unknown = [k for k in gate_cfg if k not in GATE_KEYS]
-    if unknown:
-        raise ResultError(f"{where}: gate: unknown key(s) {unknown}; allowed: {', '.join(GATE_KEYS)}")
-    alpha = gate_cfg.get("alpha", 0.05)
-    if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < float(alpha) < 1):
-        raise ResultError(f"{where}: gate.alpha must be a number in (0, 1), got {alpha!r}")
-    correction = gate_cfg.get("correction", "none")
-    if correction not in CORRECTIONS:
-        raise ResultError(f"{where}: gate.correction must be none, holm or bh, got '{correction}'")
-    nf = gate_cfg.get("noise_floor") or {}
-    if not isinstance(nf, dict):
-        raise ResultError(f"{where}: gate.noise_floor must be a mapping like {{runs: '*__bf16__*'}}")
-    bad = [k for k in nf if k not in NOISE_FLOOR_KEYS]
-    if bad:
-        raise ResultError(f"{where}: gate.noise_floor: unknown key(s) {bad}; allowed: {list(NOISE_FLOOR_KEYS)}")
-    if "runs" in nf and not isinstance(nf["runs"], str):
-        raise ResultError(f"{where}: gate.noise_floor.runs must be a run-key glob string, got {nf['runs']!r}")
-    rules = gate_cfg.get("rules") or DEFAULT_RULES  # absent or empty: the defaults
-    if not isinstance(rules, list):
-        raise ResultError(f"{where}: gate.rules must be a list of rules, got {type(rules).__name__}")
-    checked = [_validate_rule(r, i, where) for i, r in enumerate(rules)]
-    for i, r in enumerate(checked):
-        if r.get("noise") == "runs" and "runs" not in nf:
+    raw = dict(gate_cfg or {})
+    if not raw.get("rules"):
+        raw["rules"] = DEFAULT_RULES  # absent or empty: the defaults
+    if raw.get("noise_floor") is None:
+        raw.pop("noise_floor", None)
+    try:
+        gate = Gate.model_validate(raw)
+    except ValidationError as exc:
+        raise ResultError("\n".join(f"{where}: {m}" for m in _messages(exc, raw))) from None
+    nf = raw.get("noise_floor") or {}
+    runs = gate.noise_floor.runs if gate.noise_floor is not None else None
+    for i, r in enumerate(gate.rules or []):
+        if r.noise == "runs" and runs is None:
             raise ResultError(f"{where}: gate.rules[{i}] uses 'noise: runs' but gate.noise_floor.runs "
                               "(the run-key glob of the noise-floor runs) is not set")
-    return {"alpha": float(alpha), "correction": correction, "noise_floor": dict(nf), "rules": checked}
+    return {"alpha": float(gate.alpha), "correction": gate.correction, "noise_floor": dict(nf),
+            "rules": [dict(r) for r in raw["rules"]]}
 
 
 def describe_rule(rule: dict[str, Any]) -> str:

@@ -40,6 +40,7 @@ from lm_eval.api.model import LM
 
 from engine.generation import GenerationRequest
 from evalharness.generation import generate_many
+from evalharness.progress import Progress, no_bars
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,12 @@ class HarnessLM(LM):
         batch_size: sequences per ``logits`` call and requests decoded together.
         max_length: longest model input in tokens; default ``model.max_seq_len`` or ``model.cfg.max_position``.
         max_gen_toks: default generation budget when a request does not set ``max_gen_toks``.
-        name: label used in log messages (``engine`` / ``reference``).
+        name: label used in log messages and progress bars (``engine`` / ``reference``).
+        progress: draws a bar per request kind (sequences scored, requests generated) on a terminal; default none.
     """
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 8, max_length: int | None = None,
-                 max_gen_toks: int = 256, name: str = "model"):
+                 max_gen_toks: int = 256, name: str = "model", progress: Progress | None = None):
         """Wrap `model` and `tokenizer`; see the class doc for the arguments."""
         super().__init__()
         if tokenizer is None:
@@ -100,6 +102,7 @@ class HarnessLM(LM):
         self.max_length = int(max_length or getattr(model, "max_seq_len", None) or model.cfg.max_position)
         self.max_gen_toks = int(max_gen_toks)
         self.name = name
+        self.progress = progress if progress is not None else no_bars()
         self.prefix_id = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
         self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else (self.prefix_id or 0)
         self.counters = {"forward_batches": 0, "sequences": 0, "generate_calls": 0, "generated_tokens": 0,
@@ -164,6 +167,7 @@ class HarnessLM(LM):
             keys.append((full[-(self.max_length + 1):], n))
         unique = sorted({k for k in keys if k[1] > 0}, key=lambda k: (-len(k[0]), k))
         results: dict[tuple[tuple[int, ...], int], tuple[float, bool]] = {((), 0): (0.0, True)}
+        bar = self.progress.bar(total=len(unique), desc=f"{self.name} loglikelihood", unit="seq")
         for s in range(0, len(unique), self.batch_size):
             batch = unique[s:s + self.batch_size]
             width = max(len(full) - 1 for full, _ in batch)
@@ -195,6 +199,8 @@ class HarnessLM(LM):
             misses = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, segs, miss).tolist()
             for i, k in enumerate(batch):
                 results[k] = (ll[i], misses[i] == 0)
+            bar.update(len(batch))
+        bar.close()
         return [results[k] for k in keys]
 
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -273,7 +279,12 @@ class HarnessLM(LM):
             prompts.append(prompt)
             gen_reqs.append(GenerationRequest(tuple(prompt), max_gen, self._stop_token_ids(until)))
         texts: dict[tuple[str, tuple[str, ...], int], str] = {}
-        for key, prompt, gen in zip(unique, prompts, generate_many(self.model, gen_reqs, self.batch_size)):
+        # the bar counts the requests as they come back (all at once from a batching model: its serving runtime
+        # decodes them together)
+        with self.progress.bar(total=len(unique), desc=f"{self.name} generate_until", unit="req") as bar:
+            gens = generate_many(self.model, gen_reqs, self.batch_size)
+            bar.update(len(gens))
+        for key, prompt, gen in zip(unique, prompts, gens):
             self.counters["generate_calls"] += 1
             self.counters["generated_tokens"] += len(gen.tokens)
             text = self._decode_continuation(prompt[-1:], gen.tokens)

@@ -1,77 +1,84 @@
-"""A plain-text progress bar on stderr (no dependency), driven by the runner's log lines.
+"""Progress of a suite run on stderr, drawn by tqdm.
 
-The runner logs one line per finished run, starting with ``[n/total]``.
-`ProgressLog` is a drop-in `log` callable: it prints every message as before
-and, after each ``[n/total]`` line, a bar with the elapsed time and an ETA::
+On a terminal: a bar over the suite's runs, one over the evals of the run in progress and one inside each eval
+(windows, lm-eval requests, generation requests), each with its rate and ETA; lm-eval's own bars (request
+building) stack under them, since lm-eval draws with tqdm too. Log lines are written above the bars.
 
-    [n/total] zoo-llama__fp8-block__default__cpu-emulated: ok in 2.8s
-    progress [#########...........]  9/20 runs  45%  elapsed 0:41  eta 0:50
+Off a terminal (a CI log, a pipe) no bar is drawn: one line per finished step, the eval of a run and the run,
+the run's line with the suite's elapsed time, ETA and rate::
 
-On a terminal the bar is redrawn in place (carriage return); in a log file
-(CI) it is one ordinary line per update.
+    [1/4] tiny-llama__fp32__default__cpu-emulated: layer_error done in 0.3s (1/2 evals)
+    [1/4] tiny-llama__fp32__default__cpu-emulated: ppl_kld done in 0.5s (2/2 evals)
+    [1/4] tiny-llama__fp32__default__cpu-emulated: ok in 0.9s (1/4 runs, elapsed 00:01, eta 00:03, 1.02s/run)
+
+`Progress()` is the `log` callable of `evalharness.runner.run_suite` as well as its `progress`; a
+`Progress(bars=False)` (the runner's default) writes no bars and leaves every line to the runner's `log`.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import io
 import sys
-import time
-from typing import TextIO
+from typing import Iterable, Iterator, TextIO
 
-_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
+from tqdm import tqdm
 
-
-def _clock(seconds: float) -> str:
-    """H:MM:SS or M:SS."""
-    s = int(round(max(seconds, 0.0)))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+# The suite's progress in a finished run's line (non-terminal output): tqdm's own elapsed / ETA / rate fields.
+STEP_METER = "{n_fmt}/{total_fmt} {unit}s, elapsed {elapsed}, eta {remaining}, {rate_fmt}"
 
 
-def bar(done: int, total: int, elapsed: float, width: int = 20, unit: str = "runs",
-        timed_done: int | None = None) -> str:
-    """One progress line; the ETA extrapolates the mean time of the runs done in this process.
+class Progress:
+    """Bars on `stream` (default stderr) when it is a terminal and `bars` is on; plain lines otherwise."""
 
-    `timed_done` is how many of `done` were actually run here (resumed runs take
-    no time and must not shorten the ETA); defaults to `done`.
-    """
-    total = max(total, 1)
-    filled = min(width, int(width * done / total))
-    timed = done if timed_done is None else timed_done
-    left = total - done
-    eta = _clock(elapsed / timed * left) if timed > 0 and left > 0 else ("0:00" if left == 0 else "?")
-    return (f"progress [{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total} {unit} "
-            f"{100 * done / total:3.0f}%  elapsed {_clock(elapsed)}  eta {eta}")
-
-
-class ProgressLog:
-    """A `log` callable for `run_suite`: passes messages through and draws a progress bar after `[n/total]` lines."""
-
-    def __init__(self, stream: TextIO | None = None, unit: str = "runs"):
+    def __init__(self, stream: TextIO | None = None, bars: bool = True):
         self.stream = stream if stream is not None else sys.stderr
-        self.unit = unit
-        self.t0 = time.time()
-        self.skipped = 0
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._live: str | None = None  # the bar currently drawn in place (terminal only)
+        self.tty = bars and bool(getattr(self.stream, "isatty", lambda: False)())
+        self._runs: tqdm | None = None
 
     def __call__(self, message: str) -> None:
-        """Print `message`; update the bar when it reports a finished run."""
-        if self._live:
-            self.stream.write("\r\033[K")  # erase the live bar; it is redrawn below the message
-        self.stream.write(message + "\n")
-        m = _STEP.match(message)
-        if m:
-            done, total = int(m.group(1)), int(m.group(2))
-            if "already finished" in message:
-                self.skipped += 1
-            line = bar(done, total, time.time() - self.t0, unit=self.unit, timed_done=done - self.skipped)
-            if self.tty and done < total:
-                self._live = line
-            else:
-                self._live = None
-                self.stream.write(line + "\n")
-        if self._live:
-            self.stream.write(self._live)
-        self.stream.flush()
+        """Write one log line (above the bars on a terminal)."""
+        if self.tty:
+            tqdm.write(message, file=self.stream)
+        else:
+            self.stream.write(message + "\n")
+            self.stream.flush()
+
+    def bar(self, iterable: Iterable | None = None, total: int | None = None, desc: str = "",
+            unit: str = "it", leave: bool = False) -> tqdm:
+        """A tqdm bar over `iterable` (or updated by hand up to `total`), drawn on a terminal only."""
+        return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, file=self.stream,
+                    disable=not self.tty, dynamic_ncols=True, smoothing=0.1)
+
+    @contextlib.contextmanager
+    def runs(self, total: int, finished: int = 0) -> Iterator[None]:
+        """The suite's bar for the block: `total` runs, `finished` of them done before (resumed: they do not count
+        in the rate). Off a terminal the bar writes nowhere and only lends its clock to `run_done`."""
+        self._runs = tqdm(total=total, initial=finished, unit="run", desc="suite", smoothing=0, leave=True,
+                          file=self.stream if self.tty else io.StringIO(), dynamic_ncols=True,
+                          mininterval=0 if self.tty else float("inf"))
+        try:
+            yield
+        finally:
+            self._runs.close()
+            self._runs = None
+
+    def run_done(self) -> str:
+        """Count one finished run on the suite's bar; returns the suite's meter for the run's line
+        (`STEP_METER`; empty outside `runs`)."""
+        if self._runs is None:
+            return ""
+        self._runs.update(1)
+        d = self._runs.format_dict
+        return tqdm.format_meter(**{**d, "bar_format": STEP_METER}).replace("  ", " ")
+
+    @contextlib.contextmanager
+    def evals(self, key: str, names: list[str]) -> Iterator[tqdm]:
+        """The bar over one run's evals (update it after each)."""
+        with self.bar(total=len(names), desc=key, unit="eval") as b:
+            yield b
+
+
+def no_bars() -> Progress:
+    """A Progress that draws nothing and writes nothing: every line goes to the caller's own `log`."""
+    return Progress(io.StringIO(), bars=False)

@@ -37,18 +37,49 @@ def nonfinite_frac(doc: dict[str, Any]) -> float:
                 if k.endswith("nonfinite_frac") and isinstance(v, (int, float))), default=0.0)
 
 
+def table_tasks(docs: list[dict[str, Any]]) -> list[str]:
+    """The tasks the results table shows: each run's configured names (`evals.tasks.tasks`, a group by its pooled
+    statistics) that have accuracies, else every task with accuracies except the members of a group whose name
+    prefixes theirs (lm-eval's naming: `mmlu` holds `mmlu_humanities`, `mmlu_abstract_algebra`, ...); in order."""
+    names: dict[str, None] = {}
+    for d in docs:
+        m = d.get("metrics") or {}
+        have = [k[len("tasks."):-len(".acc_ref")] for k in m if k.startswith("tasks.") and k.endswith(".acc_ref")]
+        configured = ((((d.get("spec") or {}).get("evals") or {}).get("tasks") or {}).get("tasks")) or []
+        if configured:
+            names.update(dict.fromkeys(t for t in configured if t in have))
+        else:
+            names.update(dict.fromkeys(t for t in have if not any(t.startswith(g + "_") for g in have)))
+    return list(names)
+
+
+def _task_cell(m: dict[str, Any], task: str) -> str:
+    """`acc_ref/acc_eng/delta` of one task in one result, '-' when it did not run."""
+    k = f"tasks.{task}"
+    if f"{k}.acc_ref" not in m:
+        return "-"
+    delta = m.get(f"{k}.delta")
+    return (f"{_fmt(m[f'{k}.acc_ref'])}/{_fmt(m.get(f'{k}.acc_eng'))}/"
+            + (f"{delta:+.4g}" if isinstance(delta, (int, float)) else _fmt(delta)))
+
+
 def results_table(docs: Iterable[dict[str, Any]]) -> str:
     """A fixed-width table of the key metrics of each result. When a run had NaN/Inf outputs a `nonfinite`
-    column gives their largest share, and such a run's status reads `ok (NaN/Inf)`: its metrics are NaN."""
+    column gives their largest share, and such a run's status reads `ok (NaN/Inf)`: its metrics are NaN. When
+    tasks ran, one column per task (`table_tasks`): accuracy of the reference / of the engine / engine - reference
+    (the interval and McNemar p are in `report`'s task table and the result files)."""
     docs = list(docs)
     shares = [nonfinite_frac(d) for d in docs]
     extra = ["nonfinite"] if any(shares) else []
-    header = ["run_key", "status"] + [h for h, _ in SUMMARY_METRICS] + extra + ["time_s"]
+    tasks = table_tasks(docs)
+    header = (["run_key", "status"] + [h for h, _ in SUMMARY_METRICS] + [f"{t} ref/eng/delta" for t in tasks]
+              + extra + ["time_s"])
     rows = [header]
     for d, share in zip(docs, shares):
         m = d.get("metrics", {})
         status = f"{d['status']} (NaN/Inf)" if share and d["status"] == "ok" else d["status"]
         rows.append([d["run_key"], status] + [_fmt(m.get(k)) if k in m else "-" for _, k in SUMMARY_METRICS]
+                    + [_task_cell(m, t) for t in tasks]
                     + ([_fmt(float(share))] if extra else [])
                     + [_fmt((d.get("timing") or {}).get("total_s")) if (d.get("timing") or {}).get("total_s")
                        is not None else "-"])

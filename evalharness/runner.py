@@ -30,6 +30,7 @@ from evalharness.errors import BAD_INPUT, BusyError, SuiteError
 from evalharness.evals import EvalContext, run_eval
 from evalharness.fingerprint import Inputs, model_inputs, model_source, run_fingerprint
 from evalharness.lock import results_lock
+from evalharness.progress import Progress, no_bars
 from evalharness.reference import ReferenceLM
 from evalharness.results import SCHEMA_VERSION, remove_stale_temp_files, write_json_atomic
 from evalharness.suite import RunSpec, Suite
@@ -175,8 +176,14 @@ def _notify(on_result: Callable[[Path, dict], None] | None, path: Path, doc: dic
 
 def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-              on_result: Callable[[Path, dict], None] | None = None) -> list[RunOutcome]:
+              on_result: Callable[[Path, dict], None] | None = None,
+              progress: Progress | None = None) -> list[RunOutcome]:
     """Run every RunSpec of `suite` into `out_dir`; never loses a finished result.
+
+    `log` gets one line per finished eval of a run and per finished run (`[n/total] <run key>: ...`), plus the
+    loading and resume lines; `progress` (`evalharness.progress.Progress`) draws the bars over the runs, the evals
+    of a run and the work inside each eval on a terminal, and gives each run's line the suite's ETA (default:
+    no bars).
 
     `on_result(path, doc)` is called after each result file is written (e.g. mlflow logging). The folder is
     locked for the call (`evalharness.lock`: a second writer gets a BusyError naming this one). With `resume`, a
@@ -185,41 +192,50 @@ def run_suite(suite: Suite, out_dir: str | Path, resume: bool = False,
     over the ranks and rank 0 writes every file (`evalharness.distributed`); a RunSpec needing more ranks than
     there are is a SuiteError. A suite that needs a GPU fails up front on a machine without one."""
     out = Path(out_dir)
+    progress = progress if progress is not None else no_bars()
     check_device(suite)
     dp = distributed.current()
     distributed.check_world(suite.runs, dp.world if dp is not None else 1)
     if dp is not None:
-        return _run_suite_parallel(suite, out, resume, log, on_result, dp)
+        return _run_suite_parallel(suite, out, resume, log, on_result, dp, progress)
     with results_lock(out):
         remove_stale_temp_files(out)
         write_json_atomic(out / "suite.json", suite.manifest())
         for msg in suite.skipped:
             log(f"skipped: {msg}")
-        outcomes: list[RunOutcome] = []
         total = len(suite.runs)
-        done = 0
         skip, inputs = _resume_plan(suite, out, log) if resume else (set(), {})
-        for name, group in groupby(suite.runs, key=lambda r: r.model["name"]):
-            runs = list(group)
-            pending = []
-            for spec in runs:
-                if spec.key in skip:
-                    done += 1
-                    log(f"[{done}/{total}] {spec.key}: already finished (resume), skipped")
-                    outcomes.append(RunOutcome(spec.key, "skipped", out / f"{spec.key}.json", {}))
-                else:
-                    pending.append(spec)
-            if pending:
-                try:
-                    outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result,
-                                                     inputs=inputs.get(name)))
-                except DeviceLost as lost:
-                    outcomes.extend(lost.outcomes)
-                    left = total - done - len(lost.outcomes)
-                    log(f"stopped: {lost}. {left} run(s) did not run (no result file); finished results are kept. "
-                        f"Fix the cause (the error result's traceback), then run again with --resume.")
-                    return outcomes
-                done += len(pending)
+        with progress.runs(total, finished=len(skip)):
+            return _run_serial(suite, out, log, on_result, progress, skip, inputs)
+
+
+def _run_serial(suite: Suite, out: Path, log: Callable[[str], None], on_result: Callable[[Path, dict], None] | None,
+                progress: Progress, skip: set[str], inputs: dict[str, Inputs]) -> list[RunOutcome]:
+    """The body of `run_suite` in one process, with the results folder locked: the runs of each model in turn."""
+    outcomes: list[RunOutcome] = []
+    total = len(suite.runs)
+    done = 0
+    for name, group in groupby(suite.runs, key=lambda r: r.model["name"]):
+        runs = list(group)
+        pending = []
+        for spec in runs:
+            if spec.key in skip:
+                done += 1
+                log(f"[{done}/{total}] {spec.key}: already finished (resume), skipped")
+                outcomes.append(RunOutcome(spec.key, "skipped", out / f"{spec.key}.json", {}))
+            else:
+                pending.append(spec)
+        if pending:
+            try:
+                outcomes.extend(_run_model_group(suite, pending, out, log, done, total, on_result,
+                                                 inputs=inputs.get(name), progress=progress))
+            except DeviceLost as lost:
+                outcomes.extend(lost.outcomes)
+                left = total - done - len(lost.outcomes)
+                log(f"stopped: {lost}. {left} run(s) did not run (no result file); finished results are kept. "
+                    f"Fix the cause (the error result's traceback), then run again with --resume.")
+                return outcomes
+            done += len(pending)
     return outcomes
 
 
@@ -251,7 +267,7 @@ def _resume_plan(suite: Suite, out: Path, log: Callable[[str], None]) -> tuple[s
 
 def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[str], None],
                         on_result: Callable[[Path, dict], None] | None,
-                        dp: distributed.DataParallel) -> list[RunOutcome]:
+                        dp: distributed.DataParallel, progress: Progress) -> list[RunOutcome]:
     """`run_suite` over a torchrun world: each rank runs its share of the RunSpecs (`distributed.schedule`),
     rank 0 writes its results as they finish and the others' when they are gathered at the end."""
     lead = dp.rank == 0
@@ -265,12 +281,12 @@ def _run_suite_parallel(suite: Suite, out: Path, resume: bool, log: Callable[[st
         busy = dp.broadcast(busy)
         if busy:
             raise BusyError(busy)
-        return _run_parallel_locked(suite, out, resume, log, on_result, dp)
+        return _run_parallel_locked(suite, out, resume, log, on_result, dp, progress)
 
 
 def _run_parallel_locked(suite: Suite, out: Path, resume: bool, log: Callable[[str], None],
                          on_result: Callable[[Path, dict], None] | None,
-                         dp: distributed.DataParallel) -> list[RunOutcome]:
+                         dp: distributed.DataParallel, progress: Progress) -> list[RunOutcome]:
     """The body of `_run_suite_parallel`, with rank 0 holding the results folder's lock."""
     lead = dp.rank == 0
     if lead:
@@ -308,7 +324,7 @@ def _run_parallel_locked(suite: Suite, out: Path, resume: bool, log: Callable[[s
     for _, group in groupby(mine, key=lambda i: suite.runs[i].model["name"]):
         ids = list(group)
         outs = _run_model_group(suite, [suite.runs[i] for i in ids], out, say, done, len(mine), None, sink=sink,
-                                place=place, ref_cache=lead)
+                                place=place, ref_cache=lead, progress=progress if lead else no_bars())
         done += len(ids)
         led.update({i: (docs[i], o) for i, o in zip(ids, outs) if i in docs})
     gathered = dp.gather({i: (None if lead else doc, o) for i, (doc, o) in led.items()})
@@ -329,7 +345,8 @@ def _run_parallel_locked(suite: Suite, out: Path, resume: bool, log: Callable[[s
 
 def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: int, total: int,
                      on_result: Callable[[Path, dict], None] | None = None, sink=None, place=None,
-                     ref_cache: bool = True, inputs: Inputs | None = None) -> list[RunOutcome]:
+                     ref_cache: bool = True, inputs: Inputs | None = None,
+                     progress: Progress | None = None) -> list[RunOutcome]:
     """Load one model (and its reference) once, then run each of its RunSpecs.
 
     Any failure while loading the model, its tokenizer or its reference becomes an error result for each of its
@@ -339,8 +356,10 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
     `sink(spec, path, doc)` takes each result document (default: write it, then `on_result`);
     `place(spec)` gives the process group of a model-parallel RunSpec (default: none);
     `ref_cache=False` keeps the reference cache off disk (non-zero ranks write nothing);
-    `inputs`: the model's content hashes when `--resume` computed them already.
+    `inputs`: the model's content hashes when `--resume` computed them already;
+    `progress`: the bars, and the suite's ETA in each run's line (`run_suite`).
     """
+    progress = progress if progress is not None else no_bars()
     if sink is None:
         def sink(spec: RunSpec, path: Path, doc: dict) -> None:
             write_json_atomic(path, doc)
@@ -373,7 +392,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             path = out / f"{spec.key}.json"
             doc = _result_doc(spec, suite, "error", {}, {}, {}, error, None, {}, device, {}, ref_device, inputs)
             sink(spec, path, doc)
-            log(f"[{done + i + 1}/{total}] {spec.key}: ERROR {error['type']} (model '{model['name']}' did not load)")
+            log(f"[{done + i + 1}/{total}] {spec.key}: ERROR {error['type']} (model '{model['name']}' did not load)"
+                + _meter(progress))
             outcomes.append(RunOutcome(spec.key, "error", path, {}, msg, bad_input=bad))
             if i == 0 and _cuda_lost(device):  # one error result, not one per run for a context that is gone
                 raise DeviceLost(f"the CUDA context is unusable after loading model '{model['name']}' failed "
@@ -397,6 +417,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         work: dict[str, int] = {}  # tokens / decode steps each eval cost the engine and the reference
         error = None
         ctx = None
+        stack = contextlib.ExitStack()  # the run's bar over its evals
         try:
             engine_for = _engine_factory(base_model, spec, place(spec) if place is not None else None)
             own = distributed.serving_parallel(spec.serving)
@@ -407,8 +428,10 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
                               seed=spec.seed, cache=cache, counters=counters, bos_id=bos_id,
                               ref_cache_dir=str(out / "ref_cache") if ref_cache else None, model_sha=loaded.sha256,
                               engine_for=engine_for, parallel=(own.tp, own.ep),
-                              data_dir=str(suite.data_dir) if suite.data_dir else None)  # for the tasks eval
-            for name, cfg in spec.evals.items():
+                              data_dir=str(suite.data_dir) if suite.data_dir else None,  # for the tasks eval
+                              progress=progress)
+            bar = stack.enter_context(progress.evals(spec.key, list(spec.evals)))
+            for j, (name, cfg) in enumerate(spec.evals.items(), 1):
                 te = time.time()
                 torch.manual_seed(spec.seed)
                 before = {side: dict(getattr(obj, "work", {})) for side, obj in (("engine", engine),
@@ -424,6 +447,9 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
                 metrics.update({f"{name}.{k}": v for k, v in m.items()})
                 if s:
                     samples[name] = s
+                bar.update(1)
+                log(f"[{done + i + 1}/{total}] {spec.key}: {name} done in {timing[f'{name}_s']:.1f}s "
+                    f"({j}/{len(spec.evals)} evals)")
             data_sha = dict(ctx.data_hashes)
             if hasattr(engine.nx, "coverage_summary"):  # cuda-native: which ops really ran on native kernels
                 metrics.update({f"native.{k}": v for k, v in engine.nx.coverage_summary().items()})
@@ -433,6 +459,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         except Exception as exc:  # a crashing eval must not take the suite down; record it
             status = "error"
             error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc(limit=8)}
+        finally:
+            stack.close()
         if ctx is not None:  # the evals' own part timings (kept for a failed run too: where did the time go)
             timing.update({k: round(v, 3) for k, v in ctx.timing.items() if k != "reference_s"})
         timing["total_s"] = round(time.time() - t_run, 3)
@@ -442,14 +470,20 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         sink(spec, path, doc)
         n = done + i + 1
         if status == "ok":
-            log(f"[{n}/{total}] {spec.key}: ok in {timing['total_s']:.1f}s")
+            log(f"[{n}/{total}] {spec.key}: ok in {timing['total_s']:.1f}s" + _meter(progress))
         else:
-            log(f"[{n}/{total}] {spec.key}: ERROR {error['type']}: {error['message']}")
+            log(f"[{n}/{total}] {spec.key}: ERROR {error['type']}: {error['message']}" + _meter(progress))
         outcomes.append(RunOutcome(spec.key, status, path, metrics, error["message"] if error else None,
                                    bad_input=bool(error and error.get("bad_input"))))
         if status == "error" and _cuda_lost(device):
             raise DeviceLost(f"the CUDA context is unusable after {spec.key} crashed ({error['type']})", outcomes)
     return outcomes
+
+
+def _meter(progress: Progress) -> str:
+    """Count a finished run on the suite's bar; ` (<runs done>, elapsed, eta, rate)` for its line, or ''."""
+    meter = progress.run_done()
+    return f" ({meter})" if meter else ""
 
 
 def serving_config(serving: dict[str, Any], cuda: bool) -> ServingConfig:

@@ -344,12 +344,11 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
 
     t_start = time.time()
     out = Path(out_dir)
+    progress = None
     if log is None:
-        from evalharness.progress import ProgressLog
+        from evalharness.progress import Progress
 
-        log, vlog = ProgressLog(), ProgressLog(unit="variants")
-    else:
-        vlog = log
+        log = progress = Progress()
     entries = load_catalog(catalog)
     if only:
         unknown = sorted(set(only) - {e.id for e in entries})
@@ -383,7 +382,7 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
     bad = []
     if runnable:  # nothing to run (all n/a): no baseline matrix either
         log(f"selftest: baseline matrix {len(suite.runs)} run(s) -> {base_dir}")
-        bad = [o for o in run_suite(suite, base_dir, log=log) if o.status == "error"]
+        bad = [o for o in run_suite(suite, base_dir, log=log, progress=progress) if o.status == "error"]
         update_baselines(base_dir, baselines, log=lambda s: None)
     results: list[Outcome] = []
     for k, e in enumerate(entries, 1):
@@ -393,17 +392,17 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
         if not mnames:
             why = f"no {e.requires} model in the suite (models: {', '.join(model_entries)})"
             results.append(Outcome(e, "n/a", reason=why))
-            vlog(f"{prefix}: n/a ({why})")
+            log(f"{prefix}: n/a ({why})")
             continue
         if e.id in uninjectable:
             why = f"not injectable: the engine rejects the planted recipe ({uninjectable[e.id]})"
             results.append(Outcome(e, "n/a", models=mnames, reason=why))
-            vlog(f"{prefix}: n/a ({why})")
+            log(f"{prefix}: n/a ({why})")
             continue
         broken = [o.key for o in bad if o.key.split("__")[0] in mnames and f"__{e.baseline}__" in o.key]
         if broken:
             results.append(Outcome(e, "error", models=mnames, reason=f"baseline run(s) failed: {broken}"))
-            vlog(f"{prefix}: error (baseline run failed: {broken})")
+            log(f"{prefix}: error (baseline run failed: {broken})")
             continue
         runs = _variant_runs(e, suite.runs, mnames)
         vdir = out / "variants" / e.id
@@ -416,7 +415,7 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
                 shutil.copy2(p, vdir / p.name)
         res = _gate_variant(e, vdir, baselines, keys, mnames, t0)
         results.append(res)
-        vlog(f"{prefix}: {res.status} (gate exit {res.gate_exit}, {res.n_fail} FAIL) in {res.seconds:.1f}s")
+        log(f"{prefix}: {res.status} (gate exit {res.gate_exit}, {res.n_fail} FAIL) in {res.seconds:.1f}s")
     report = summarize(results, suite_path=str(suite_path), sets=base_sets, models=list(model_entries),
                        seconds=time.time() - t_start)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from evalharness.data import Windows, load_corpus_tokens, make_windows, tokens_needed
+from evalharness.progress import Progress, no_bars
 
 # name -> {setting: (type, default)}; the suite validator uses this table.
 EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
@@ -92,6 +93,8 @@ class EvalContext:
     # Wall seconds of an eval's parts, '<eval>.<part>_s' (e.g. 'tasks.hellaswag.eng_s'): the runner adds them to
     # the result's `timing` next to the whole eval's '<eval>_s'.
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Bars inside an eval (windows, requests), on a terminal only: `progress.bar(iterable, total, desc, unit)`
+    progress: Progress = dataclasses.field(default_factory=no_bars)
 
     def windows(self, seq_len: int, stride: int | None, max_windows: int | None, max_tokens: int,
                 bos: bool) -> Windows:
@@ -106,6 +109,14 @@ class EvalContext:
         win = make_windows(have[0][:need], seq_len, stride, max_windows, bos_id)
         self.data_hashes[f"{self.corpus}|seq{seq_len}|stride{stride}|n{win.n}|bos{bos_id}"] = win.sha256
         return win
+
+    def batches(self, win: Windows, desc: str):
+        """`win.batches(self.batch_size)` under a bar counting windows (`desc`: the eval and the side)."""
+        bar = self.progress.bar(total=win.n, desc=desc, unit="window")
+        with bar:
+            for start, inputs, targets in win.batches(self.batch_size):
+                yield start, inputs, targets
+                bar.update(inputs.shape[0])
 
     def reference_cached(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """Reference outputs cached across the recipes of one model; counts actual reference passes and adds

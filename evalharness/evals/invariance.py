@@ -158,7 +158,7 @@ def run_invariance(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, flo
     a = _logits(ctx.engine, win.inputs, ctx.batch_size, None)
     ref = ctx.reference_cached(("invariance_ref", win.sha256),
                                lambda: torch.cat([ctx.reference.logits(x).float().cpu()
-                                                  for _, x, _ in win.batches(ctx.batch_size)]))
+                                                  for _, x, _ in ctx.batches(win, "invariance reference")]))
     metrics: dict[str, float] = {"top1_vs_ref": float((a.argmax(-1) == ref.argmax(-1)).double().mean())}
     digests = {hashlib.sha256(a.numpy().tobytes()).hexdigest()}
     for _ in range(cfg["reruns"] - 1):

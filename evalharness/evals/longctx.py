@@ -295,7 +295,7 @@ def run_kld_by_position(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str
         topk = DEFAULT_TOPK
     ref_all = reference_for(ctx, win, topk, "longctx_kld_ref")
     rows = []
-    for start, inputs, targets in win.batches(ctx.batch_size):
+    for start, inputs, targets in ctx.batches(win, "longctx kld engine"):
         kl = compare(select(ref_all, start, inputs.shape[0]), ctx.engine.logits(inputs), targets)["kld"]
         kl = kl.clamp_min(0.0)  # (batch, t)
         rows.append(torch.where(torch.isfinite(kl), kl, torch.full_like(kl, float("inf"))))

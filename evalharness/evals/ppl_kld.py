@@ -84,7 +84,7 @@ def _ref_topk_cached(ctx: EvalContext, win, k: int) -> dict[str, torch.Tensor]:
             ctx.counters["reference_cache_rejected"] = ctx.counters.get("reference_cache_rejected", 0) + 1
             path.unlink(missing_ok=True)
         ctx.counters["reference_passes_topk"] = ctx.counters.get("reference_passes_topk", 0) + 1
-        parts = map_logits(ctx.reference, win.batches(ctx.batch_size), lambda lg, batch: {
+        parts = map_logits(ctx.reference, ctx.batches(win, "reference top-k"), lambda lg, batch: {
             n: t.cpu() for n, t in reference_summary(lg, batch[2], k).items()}, ctx.counters)
         rec = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
         if path is not None:
@@ -102,9 +102,10 @@ def reference_for(ctx: EvalContext, win, topk: int | None, cache_name: str) -> d
     reference's device for the invocation (shared by every recipe through the eval context's cache)."""
     if topk:
         return _ref_topk_cached(ctx, win, min(topk, ctx.vocab_size))
+    desc = f"{cache_name.removesuffix('_ref')} reference"
     return ctx.reference_cached((cache_name, win.sha256), lambda: {"logits": torch.cat(
         map_logits(
-        ctx.reference, win.batches(ctx.batch_size), lambda lg, batch: lg.float(), ctx.counters))})
+        ctx.reference, ctx.batches(win, desc), lambda lg, batch: lg.float(), ctx.counters))})
 
 
 def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], dict[str, list]]:
@@ -115,7 +116,7 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
         topk = DEFAULT_TOPK
     ref_all = reference_for(ctx, win, topk, "ppl_kld_ref")
     # per batch: the per-token comparison, on the engine's device until the end
-    parts = map_logits(ctx.engine, win.batches(ctx.batch_size), lambda lg, batch: compare(
+    parts = map_logits(ctx.engine, ctx.batches(win, "ppl_kld engine"), lambda lg, batch: compare(
         select(ref_all, batch[0], batch[1].shape[0]), lg, batch[2]), ctx.counters)
     tok = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # (windows, t) each
     targets = win.targets

@@ -60,11 +60,11 @@ def run_switching(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, floa
     win = ctx.windows(cfg["seq_len"], None, cfg["windows"], max(cfg["windows"] * cfg["seq_len"] * 2, 4096), True)
     ref = ctx.reference_cached(("switching_ref", win.sha256),
                                lambda: torch.cat([ctx.reference.logits(x).float().cpu()
-                                                  for _, x, _ in win.batches(ctx.batch_size)]))
+                                                  for _, x, _ in ctx.batches(win, "switching reference")]))
     lr = torch.log_softmax(ref.double(), -1)
     low, high, mixed = [], [], []
     flags_all = [i % 2 == 1 for i in range(win.n)]
-    for s, x, _ in win.batches(ctx.batch_size):
+    for s, x, _ in ctx.batches(win, "switching engine"):
         low.append(eng.logits(x).float().cpu())
         high.append(eng.logits(x, high_precision=True).float().cpu())
         mixed.append(eng.logits(x, high_precision=flags_all[s:s + x.shape[0]]).float().cpu()

@@ -234,8 +234,9 @@ def _leaf_result(name: str, tobj, logged: list[dict[str, Any]]) -> dict[str, Any
 
 
 def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, seed: int,
-                  max_gen_toks: int | None) -> dict[str, Any]:
-    """Run one configured name (a task, group or tag) through lm-eval for one model.
+                  max_gen_toks: int | None, bars: bool = False) -> dict[str, Any]:
+    """Run one configured name (a task, group or tag) through lm-eval for one model; `bars`: lm-eval's own
+    progress bars (request building) on stderr, else they are swallowed (off a terminal: no bar lines in logs).
 
     Returns ``{"name", "leaves": {task: per-document results}, "groups": {group: [its leaf tasks, in order]},
     "group_versions"}``.
@@ -246,7 +247,7 @@ def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, see
         loaded, defaults = _load_task(tm, task)
         for name, tobj in loaded["tasks"].items():
             _configure(name, tobj, defaults[name], fewshot, seed, max_gen_toks)
-        with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's per-task progress bars
+        with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
             res = evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True)
     leaves = {name: _leaf_result(name, tobj, res["samples"].get(name) or [])
               for name, tobj in loaded["tasks"].items()}
@@ -349,10 +350,11 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
     tm = task_manager(names, include, data_dir)
     batch_size = cfg.get("batch_size") or ctx.batch_size
     max_gen = cfg.get("max_gen_toks")
-    engine_lm = HarnessLM(ctx.engine, ctx.tokenizer, batch_size=batch_size, name="engine")
+    engine_lm = HarnessLM(ctx.engine, ctx.tokenizer, batch_size=batch_size, name="engine",
+                          progress=ctx.progress)
     metrics: dict[str, float] = {}
     samples: dict[str, list] = {}
-    for task in names:
+    for task in ctx.progress.bar(names, total=len(names), desc="tasks", unit="task"):
         fewshot = _per_task(cfg, "num_fewshot", task, 0)
         limit = _per_task(cfg, "limit", task, 1)
         # Everything that changes the reference's answers; the data files are hashed in by path + size + mtime.
@@ -362,14 +364,15 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
         def compute(task=task, fewshot=fewshot, limit=limit):
             """The reference's per-document results for this task (once per model)."""
             t0 = time.perf_counter()
-            ref_lm = HarnessLM(ctx.reference, ctx.tokenizer, batch_size=batch_size, name="reference")
-            out = evaluate_task(ref_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
+            ref_lm = HarnessLM(ctx.reference, ctx.tokenizer, batch_size=batch_size, name="reference",
+                               progress=ctx.progress)
+            out = evaluate_task(ref_lm, tm, task, limit, fewshot, ctx.seed, max_gen, bars=ctx.progress.tty)
             ctx.timing[f"tasks.{task}.ref_s"] = time.perf_counter() - t0
             return out
 
         ref = ctx.reference_cached(key, compute)
         t0 = time.perf_counter()
-        eng = evaluate_task(engine_lm, tm, task, limit, fewshot, ctx.seed, max_gen)
+        eng = evaluate_task(engine_lm, tm, task, limit, fewshot, ctx.seed, max_gen, bars=ctx.progress.tty)
         ctx.timing[f"tasks.{task}.eng_s"] = time.perf_counter() - t0
         ref_units, eng_units = units(ref), units(eng)
         for r, e in zip(ref_units, eng_units):

@@ -98,7 +98,7 @@ def run_threeway(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float
     order: list[str] = []
     kld = {"format": [], "kernel": [], "total": []}
     top1 = {"format": [], "kernel": [], "total": []}
-    for _, inputs, _ in win.batches(ctx.batch_size):
+    for _, inputs, _ in ctx.batches(win, "threeway"):
         taps: dict[str, dict[str, torch.Tensor]] = {"R": {}, "E": {}}
 
         def sink(which: str):

@@ -1,9 +1,8 @@
 """`evalharness report` and `evalharness trend` on synthetic result files: numbers in the markdown,
-PNG plots written and non-empty, dates and gated-metric selection, progress bar."""
+PNG plots written and non-empty, dates and gated-metric selection."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 
 from evalharness.cli import main
 from evalharness.errors import ResultError
-from evalharness.progress import ProgressLog, bar
 from evalharness.results import write_json_atomic
 from evalharness.results_report import build_report
 from evalharness.trend import build_trend, collect, dir_date
@@ -145,21 +143,6 @@ def test_report_and_trend_cli(tmp_path, capsys):
     assert main(["trend", *map(str, dirs), "--out", str(tmp_path / "t")]) == 0
     assert "ppl_kld.kld_mean" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 2
-
-
-def test_progress_bar_lines():
-    """The bar shows done/total, percent, elapsed and an ETA that ignores resumed runs; plain lines off a TTY."""
-    assert bar(5, 20, 50.0) == "progress [#####...............]  5/20 runs  25%  elapsed 0:50  eta 2:30"
-    assert bar(20, 20, 3725.0).endswith("elapsed 1:02:05  eta 0:00")
-    assert "eta ?" in bar(3, 10, 1.0, timed_done=0)
-    buf = io.StringIO()
-    log = ProgressLog(buf)
-    log("[1/4] a: already finished (resume), skipped")
-    log("loaded model 'm'")
-    log("[2/4] b: ok in 1.0s")
-    lines = buf.getvalue().splitlines()
-    assert lines[0].startswith("[1/4]") and lines[1].startswith("progress [#####") and "1/4 runs" in lines[1]
-    assert lines[2] == "loaded model 'm'" and "2/4 runs  50%" in lines[4]
 
 
 def test_report_of_the_h200_gpu_suite_shows_backends_and_three_way(tmp_path):
