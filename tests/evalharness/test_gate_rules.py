@@ -66,6 +66,19 @@ def test_bad_rules_name_the_file_and_rule_index(rule, needle):
     assert msg.startswith("suites/x.yaml: ") and needle in msg, msg
 
 
+def test_every_refused_key_is_reported_with_its_value():
+    """The schema reports all refused keys of a section at once, each with its key path and the value given."""
+    with pytest.raises(ResultError) as ei:
+        validate_rules({"alpha": 0, "rules": [{"metric": "a", "abs_tol": "1e-3", "max": float("inf")},
+                                              {"metric": "b", "severity": "error"}]}, "suites/x.yaml")
+    lines = str(ei.value).splitlines()
+    assert sorted(lines) == sorted([
+        "suites/x.yaml: gate.alpha must be a number in (0, 1), got 0",
+        "suites/x.yaml: gate.rules[0].abs_tol must be a finite number >= 0, got '1e-3'",
+        "suites/x.yaml: gate.rules[0].max must be a finite number, got inf",
+        "suites/x.yaml: gate.rules[1].severity must be one of 'fail' or 'warn', got 'error'"])
+
+
 def test_bad_gate_section_keys():
     """Unknown gate keys, a bad correction and an alpha outside (0, 1) are errors."""
     for cfg, needle in (({"rulez": []}, "unknown key(s) ['rulez']"), ({"correction": "bonferroni"}, "correction"),
