@@ -30,9 +30,11 @@ from evalharness.errors import BAD_INPUT, BusyError, SuiteError
 from evalharness.evals import EvalContext, run_eval
 from evalharness.fingerprint import Inputs, model_inputs, model_source, run_fingerprint
 from evalharness.lock import results_lock
+from evalharness.memory_plan import plan_for_runs
 from evalharness.progress import Progress, no_bars
 from evalharness.reference import ReferenceLM
 from evalharness.results import SCHEMA_VERSION, remove_stale_temp_files, write_json_atomic
+from evalharness.streamed import open_streamed, streamed_engine
 from evalharness.suite import RunSpec, Suite
 
 
@@ -372,14 +374,19 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
     try:
         ref_device = resolve_reference_device(suite.reference_device, device)
         torch.manual_seed(runs[0].seed)
-        loaded = load_model(model_source(model))
-        tokenizer = _load_tokenizer(model, loaded)
-        if ref_device == device != "cpu":
-            loaded.to(device)  # one device copy, shared by the reference and the engine's master weights
-        # the engine's model first: it checks every tensor against the config (name, shape, finite values) and
-        # names the first bad one; the reference then shares the same tensors
-        base_model = Transformer(loaded.cfg, loaded.weights, where=loaded.source).to(device)
-        reference = ReferenceLM(loaded, device=ref_device)
+        plan = plan_for_runs(suite, runs, device, log)  # before loading: a model that cannot fit fails here
+        if plan.mode == "streamed":  # weights read one layer at a time (evalharness.streamed)
+            loaded, base_model, reference = open_streamed(model_source(model), device, ref_device, plan)
+            tokenizer = _load_tokenizer(model, loaded)
+        else:
+            loaded = load_model(model_source(model))
+            tokenizer = _load_tokenizer(model, loaded)
+            if ref_device == device != "cpu":
+                loaded.to(device)  # one device copy, shared by the reference and the engine's master weights
+            # the engine's model first: it checks every tensor against the config (name, shape, finite values) and
+            # names the first bad one; the reference then shares the same tensors
+            base_model = Transformer(loaded.cfg, loaded.weights, where=loaded.source).to(device)
+            reference = ReferenceLM(loaded, device=ref_device)
     except Exception as exc:  # bad input (exit 2) or a crash (exit 1): an error result per run, the suite goes on
         bad = isinstance(exc, BAD_INPUT)
         msg = f"model '{model['name']}': {exc}"
@@ -501,8 +508,11 @@ def _engine_factory(base_model: Transformer, spec: RunSpec, group) -> Callable[[
 
     def engine_for(tp: int, ep: int) -> Engine:
         if (tp, ep) not in engines:
-            eng = Engine(base_model, spec.recipe, backend=spec.backend, parallel=ParallelConfig(tp=tp, ep=ep),
-                         group=group, **options)
+            if not isinstance(base_model, Transformer):  # a LayerStore: the run is layer-streamed
+                eng = streamed_engine(base_model, spec, options)
+            else:
+                eng = Engine(base_model, spec.recipe, backend=spec.backend, parallel=ParallelConfig(tp=tp, ep=ep),
+                             group=group, **options)
             eng.serving = serving_config(spec.serving, eng.device.type == "cuda")
             engines[(tp, ep)] = eng
         return engines[(tp, ep)]

@@ -117,3 +117,30 @@ def map_logits(model, batches: Iterable[tuple], consume: Callable[[torch.Tensor,
                          counters=counters, offload=offload)[0]
     return co_stream(inputs, engine=model, eng_consume=lambda b, lg: consume(lg, batches[b]), counters=counters,
                      offload=offload)[1]
+
+
+def open_streamed(source: str, device: str, ref_device: str, plan=None):
+    """A model opened for layer-streamed evaluation, reading only headers: (a `LoadedModel` without weights, for
+    its config, source, folder and checkpoint hash; the `LayerStore`; the `StreamedReference` on `ref_device`).
+    `plan` (`evalharness.memory_plan.MemoryPlan`): whether activations wait on the host between stages, and the
+    resident size that the generation error names."""
+    from engine.loading import LoadedModel, checkpoint_sha256
+    from engine.streaming import LayerStore
+    from evalharness.streamed_reference import StreamedReference
+
+    store = LayerStore.open(source)
+    loaded = LoadedModel(store.cfg, store.hf_config, {}, source, store.directory, checkpoint_sha256(source))
+    reference = StreamedReference(store, device=ref_device)
+    store.offload = reference.offload = bool(plan is not None and plan.offload)
+    store.resident_bytes = plan.resident_bytes if plan is not None else None
+    return loaded, store, reference
+
+
+def streamed_engine(store, spec, options: dict):
+    """The RunSpec's engine over a `LayerStore` (`engine.streaming.StreamedEngine`)."""
+    from engine.streaming import StreamedEngine
+
+    eng = StreamedEngine(store, spec.recipe, backend=spec.backend, resident_bytes=getattr(store, "resident_bytes", None),
+                         **options)
+    eng.offload = getattr(store, "offload", False)
+    return eng

@@ -49,8 +49,8 @@ from engine.serving import KV_BLOCK_SIZES
 from evalharness.errors import DataError, SuiteError
 from evalharness.results import run_key
 
-SUITE_KEYS = ("name", "description", "backend", "reference_device", "seed", "data_dir", "corpus", "models",
-              "recipes", "serving", "evals", "gate")
+SUITE_KEYS = ("name", "description", "backend", "reference_device", "execution", "seed", "data_dir", "corpus",
+              "models", "recipes", "serving", "evals", "gate")
 MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
 SERVING_KEYS = ("name", "batch_size", "prefill_chunk", "attn_block", "small_m", "tp", "ep", "kv_block_size",
                 "cuda_graphs")
@@ -235,6 +235,9 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
     if ref_device not in REFERENCE_DEVICES:
         raise SuiteError(f"{path}: reference_device must be one of {list(REFERENCE_DEVICES)}, got {ref_device!r} "
                          "(cpu runs the FP32 reference on the host when it does not fit on the GPU next to the engine)")
+    if raw.get("execution", "auto") not in ("auto", "resident", "streamed"):  # evalharness.memory_plan.EXECUTIONS
+        raise SuiteError(f"{path}: execution must be auto, resident or streamed, got {raw['execution']!r} (streamed "
+                         "reads the weights one layer at a time: docs/guide/big-models.md)")
 
     models = raw.get("models")
     if not isinstance(models, list) or not models:
