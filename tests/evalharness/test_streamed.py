@@ -44,10 +44,13 @@ def _tokens_corpus(tmp_path, vocab: int) -> str:
     return str(path)
 
 
-CASES = [("zoo/zoo-llama", "fp8-block"), ("zoo/zoo-moe", "fp8-block"), ("stories", "fp8-tensor")]
+# the zoo models take 5-10 s each on one core: the slow step; stories260K (needs the shared data) in the quick loop
+CASES = [pytest.param("zoo/zoo-llama", "fp8-block", id="zoo-llama", marks=pytest.mark.slow),
+         pytest.param("zoo/zoo-moe", "fp8-block", id="zoo-moe", marks=pytest.mark.slow),
+         pytest.param("stories", "fp8-tensor", id="stories260k")]
 
 
-@pytest.mark.parametrize("model,recipe", CASES, ids=["zoo-llama", "zoo-moe", "stories260k"])
+@pytest.mark.parametrize("model,recipe", CASES)
 def test_streamed_equals_resident(model, recipe, tmp_path):
     """layer_error (taps, quantization statistics, op-local sums, per-layer local error) and ppl_kld (full logits
     and the top-k cache) of a layer-streamed run equal the resident run's, bit for bit."""
@@ -83,9 +86,33 @@ def test_streamed_equals_resident(model, recipe, tmp_path):
 
 def test_streamed_engine_does_not_generate():
     """Generation asked of a streamed engine names the memory it needs and the multi-GPU route."""
-    store = LayerStore.open(str(REPO / "zoo/zoo-llama"))
+    from evalharness.data import builtin_path
+
+    store = LayerStore.open(str(builtin_path("tiny-llama")))
     eng = StreamedEngine(store, "fp8-block", resident_bytes=3 * 2**30)
     with pytest.raises(StreamedGenerationError, match=r"3\.0 GiB.*tensor / expert parallelism"):
         eng.generate_batch([])
     with pytest.raises(StreamedGenerationError, match="generation"):
         StreamedReference(store).generate([1, 2], 4)
+
+
+def test_bench_streamed_tiny_self_check(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_streamed.py on CPU with the tiny shape: writes the checkpoint, runs both evals streamed,
+    reports one read of the checkpoint for layer_error and two (reference, engine) for ppl_kld."""
+    import importlib.util
+    import json
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_streamed", REPO / "benchmarks" / "bench_streamed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "fig.json"
+    monkeypatch.setattr(sys, "argv", ["bench_streamed.py", "--device", "cpu", "--tiny", "--out", str(tmp_path / "ck"),
+                                      "--windows", "2", "--seq-len", "16", "--batch-size", "2", "--json", str(out)])
+    bench.main()
+    fig = json.loads(out.read_text())
+    assert fig["layers"] == 3 and fig["layer_error"]["passes"] == 1.0 and fig["ppl_kld"]["passes"] == 2.0
+    # the whole checkpoint once, plus each RMSNorm weight read a second time by the stage before its own
+    assert 0 <= fig["layer_error"]["bytes_streamed"] - fig["checkpoint_bf16_bytes"] <= 4 * 2 * 64
+    assert 0 < fig["layer_error"]["metrics"]["max_rel_l2"] < 1 and fig["ppl_kld"]["projected_dsv3_s"] > 0
+    assert not (tmp_path / "ck").exists()
