@@ -98,16 +98,20 @@ for part in $parts; do
           "${EVALS_DEVICE_SETS[@]}" "${extra[@]}"
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
-    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls (NIGHTLY_OUT: the dated folder to continue,
-      # NIGHTLY_TIMEOUT: seconds); carry the folder back between device calls and commit it when complete
+    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions: the finished results come
+      # back as one archive, $OUT/nightly_results.tgz (the device tool returns few files; the reference cache is left
+      # out: it is recomputed once per model); put it at .carry/nightly_partial.tgz and the next call continues
+      # from it (--resume). NIGHTLY_TIMEOUT: seconds for the run itself.
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .carry/whl/*.whl > "$OUT/nightly_pip.log" 2>&1 || echo "nightly: pip install of .carry/whl failed"
+      [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
       (
         export PYTHONPATH=/tmp/site:$PWD
         run nightly "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run suites/nightly.yaml --device cuda --resume \
-          --no-tracking --out "${NIGHTLY_OUT:-$OUT/nightly}"
-        python benchmarks/timing_table.py "${NIGHTLY_OUT:-$OUT/nightly}" > "$OUT/nightly_timing.txt" 2>&1
-      ) ;;
+          --no-tracking --out "$OUT/nightly"
+        python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
+      )
+      tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
     harness)  # benchmarks/bench_harness.py: the nightly's evaluations on a Llama-3-8B-shaped checkpoint (HARNESS_ARGS)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .carry/whl/*.whl > "$OUT/harness_pip.log" 2>&1 || echo "harness: pip install of .carry/whl failed"
