@@ -20,8 +20,8 @@ KV cache) runs the same shapes in the same process as the outside reference
 point. `--profile` adds each configuration's top kernels and its critical
 path (`critical_path`); `--pdl both` also times the runtime without
 programmatic dependent launch (rows tagged -nopdl). `--decode-configs FILE` adds measured decode-GEMM
-configs (`DECODE_CONFIGS` entries as JSON, e.g. `probe_kernels.py --only decode_graph`'s output) for the run,
-to try them in a whole decode step before committing them.
+configs (a JSON list of {device, n, k, bm, knobs}) to the decode policy the engine is built with, to try them in a
+whole decode step before committing them to engine/kernels/configs/.
 
 Prints the hardware fingerprint; writes `$OUT/bench_e2e.{json,txt}` when OUT is set.
 """
@@ -45,7 +45,7 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-# A dense model whose decode GEMMs have no DECODE_CONFIGS entry (they run the sm_90 wgmma rule): Qwen2.5-7B's shapes
+# A dense model whose decode GEMMs have no decode config entry (they run the sm_90 wgmma rule): Qwen2.5-7B's shapes
 # (qkv 4608x3584 with bias, o 3584x3584, gate+up 37888x3584, down 3584x18944, lm_head 152064x3584).
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -222,30 +222,32 @@ def critical_path(prof, n: int) -> list[str]:
 
 
 def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtime: bool = False,
-                 profile: bool = False, small_m: int | None = None, pdl: bool = True) -> dict:
+                 profile: bool = False, small_m: int | None = None, pdl: bool = True, policy=None) -> dict:
     """Decode timing of the engine's cuda-native path for one recipe and batch size.
 
     runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
     runtime=True: `engine.runtime.PagedRuntime` (paged KV in the recipe's format, CUDA-graph decode).
     pdl=False: the Triton kernels launch without programmatic dependent launch (engine.kernels.pdl);
-    rows tagged "-nopdl".
+    rows tagged "-nopdl". policy: the engine's decode policy (engine.kernels.decode_plan.DecodePolicy; None: the
+    default).
     """
     from engine.kernels import pdl as pdl_mod
 
     old_pdl = pdl_mod.set_enabled(pdl)
     try:
         return _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m,
-                             "" if pdl else "-nopdl")
+                             "" if pdl else "-nopdl", policy)
     finally:
         pdl_mod.set_enabled(old_pdl)
 
 
-def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m, pdl_tag) -> dict:
+def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m, pdl_tag, policy) -> dict:
     """`bench_engine` with the PDL setting in place."""
     from engine.api import Engine
     from engine.model import KVCache
 
-    eng = Engine(model, recipe, backend="cuda-native", **({"small_m": small_m} if small_m is not None else {}))
+    opts = dict({"small_m": small_m} if small_m is not None else {}, **({"decode_policy": policy} if policy else {}))
+    eng = Engine(model, recipe, backend="cuda-native", **opts)
     cfg = model.cfg
     toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
     state = {}
@@ -356,24 +358,17 @@ def main() -> None:
     ap.add_argument("--small-m", type=int, default=None,
                     help="cuda-native small_m (token count up to which GEMMs run the Triton decode kernel, above: "
                          "cuBLAS); rows are tagged @mN")
-    ap.add_argument("--gemv-prefetch", type=int, default=None,
-                    help="bytes of each weight row the M = 1 GEMV prefetches into L2 (default: GEMV_PREFETCH_BYTES)")
     ap.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                     help="programmatic dependent launch of the Triton kernels (engine.kernels.pdl); 'both' also "
                          "times the paged runtime without it (rows tagged -nopdl)")
     ap.add_argument("--decode-configs", default=None,
-                    help="a JSON file of DECODE_CONFIGS entries to add for this run (engine.kernels.gemm."
-                         "load_decode_configs; e.g. probe_kernels.py --only decode_graph's decode_graph_entries.json)")
-    ap.add_argument("--decode-stages", choices=("rule", "autotune"), default=None,
-                    help="pipeline depth of decode GEMMs without an entry (engine.kernels.gemm.DECODE_STAGE_CHOICE)")
+                    help="a JSON list of decode entries ({device, n, k, bm, knobs}) added to the engine's decode "
+                         "policy for this run (engine.kernels.decode_plan.load_decode_configs)")
     args = ap.parse_args()
     from engine.kernels import decode_plan as P
 
     added = P.load_decode_configs(args.decode_configs) if args.decode_configs else {}
-    if args.gemv_prefetch is not None:
-        P.GEMV_PREFETCH_BYTES = args.gemv_prefetch
-    if args.decode_stages is not None:
-        P.DECODE_STAGE_CHOICE = args.decode_stages
+    policy = P.DEFAULT_POLICY.with_configs(added) if added else None
     from engine.config import ModelConfig
     from engine.model import Transformer
     from evalharness.provenance import hardware_fingerprint
@@ -396,9 +391,8 @@ def main() -> None:
     say(f"hardware: {json.dumps(fp)}")
     bw = copy_bandwidth()
     say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
-    say(f"decode GEMM pipeline depth without an entry: {P.DECODE_STAGE_CHOICE}")
     for key, knobs in added.items():
-        say(f"DECODE_CONFIGS entry added from {args.decode_configs}: {key} -> {knobs}")
+        say(f"decode entry added from {args.decode_configs}: {key} -> {knobs}")
     say(f"model: {label}-shaped, {cfg.num_layers} layers, random weights")
     t0 = time.time()
     model = Transformer(cfg, random_weights(cfg))
@@ -412,7 +406,7 @@ def main() -> None:
             for runtime, pdl in modes:
                 try:
                     rows.append(bench_engine(model, recipe, batch, args.prompt, args.steps, runtime, args.profile,
-                                             args.small_m, pdl))
+                                             args.small_m, pdl, policy))
                     if rows[-1]["profile"]:
                         say(rows[-1]["profile"])
                 except Exception as exc:  # one failing configuration must not hide the others

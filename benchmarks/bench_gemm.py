@@ -350,7 +350,6 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
     it never wrote."""
     from engine.kernels import gemm_wgmma as gw
     from engine.kernels import decode_plan as P
-    from engine.kernels import gemm_fp8 as GF
     say(f"\n## decode (weight-bytes TB/s; ceilings: read {read_tbs:.2f} TB/s, copy {copy_tbs:.2f} TB/s; targets "
         f">= {TARGET_DECODE_TBS} TB/s and >= {TARGET_DECODE_SPEEDUP}x bf16, judged in the CUDA graph; one call "
         f"after a clean L2 flush shown as well)")
@@ -387,16 +386,15 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                             "speedup_vs_bf16_graph": g16 / g8})
                 h8 = host_us(lambda: G.fp8_block_linear(xd, xs, wd, ws))
                 bm, bn, _, _ = P._tiles(m)
-                pinned = P._decode_knobs(m, n, k, xd.device, {})  # a DECODE_CONFIGS entry, when one matches
+                pinned = P._decode_knobs(m, n, k, xd.device, {})  # the policy's decode entry, when one matches
                 bn = pinned.get("block_n") or bn
                 splits, _ = P._plan_split(m, n, -(-k // 128), bm, bn, xd.device, pinned.get("split_k"))
                 if pinned:
-                    cfg = f"DECODE_CONFIGS {pinned}"
-                elif n * k >= P.TUNE_MIN_WEIGHT and P.DECODE_STAGE_CHOICE == "rule":
+                    cfg = f"entry {pinned}"
+                elif n * k >= P.DEFAULT_POLICY.tune_min_weight:
                     cfg = f"split_k={splits} num_stages={P._decode_stages(-(-n // bn) * splits, P.sm_count(xd.device))}"
-                else:  # the autotuner's cache is keyed by (N, K, BM, BN, USE_PART, splits, dtypes...)
-                    cfg = next((str(c) for key, c in GF._fp8_block_gemm_tuned.cache.items()
-                                if tuple(key[:4]) == (n, k, bm, bn) and key[5] == splits), "fixed")
+                else:
+                    cfg = "fixed"
                 try:
                     tcb = time_us(lambda: G.scaled_mm_blockwise(xd, xs, wd, ws), flush="clean")
                 except Exception as exc:  # cuBLAS may refuse: the row still reports the Triton kernel
@@ -410,8 +408,8 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                 res.update({"cublas_block_us": tcb, "cublas_speedup_vs_bf16": res["bf16_us"] / tcb,
                             "split_k": splits, "block_m": bm, "block_n": bn, "tuned_config": cfg, "fp8_host_us": h8,
                             "sliced": sliced, "wgmma": wgmma,
-                            "gemv": m == 1 and P.GEMV_M1,
-                            "gemv_config": P.GEMV_CONFIGS.get((P._device_name(xd.device.type, xd.device.index), n, k))})
+                            "gemv": m == 1 and P.DEFAULT_POLICY.gemv_m1,
+                            "gemv_config": P._gemv_knobs(n, k, xd.device) or None})
                 return res
 
             r = case("decode", f"{n}x{k} M={m}", run)
@@ -421,7 +419,7 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                             and r["speedup_vs_bf16_graph"] >= TARGET_DECODE_SPEEDUP)
                 # meets_target: one call after a clean flush; meets_target_graph: the CUDA graph (the acceptance)
                 r["meets_target"], r["meets_target_graph"] = ok, ok_graph
-                kern = ((f"GEMV GEMV_CONFIGS {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else
+                kern = ((f"GEMV entry {r['gemv_config']}" if r["gemv_config"] else "GEMV") if r["gemv"] else
                         f"{'wgmma' if r.get('wgmma') else 'sliced' if r.get('sliced') else 'split'}={r['split_k']} "
                         f"BN={r['block_n']} "
                         f"{r['tuned_config']}")

@@ -96,11 +96,12 @@ def mx_loop(kind: str, **overrides) -> list[str]:
     """The K loop's instructions of `_mx_gemm_kernel` for bf16 x MXFP4 / bf16 x NVFP4 / MXFP8 x MXFP8 at the decode
     tile, with `mx_linear`'s constexprs on a CUDA GPU unless overridden."""
     from engine.kernels import gemm_mx as GM
+    from engine.kernels.decode_plan import DEFAULT_POLICY
 
     consts = dict(BM=16, BN=64, X_SCALED=kind == "mxfp8", W_FP4=kind != "mxfp8", W_SB=16 if kind == "nvfp4" else 32,
                   W_E8M0=kind != "nvfp4", HAS_TS=kind == "nvfp4", USE_PART=True, HAS_BIAS=False,
                   SCALE_BITS=GM.MX_SCALE_BITS, ROW_SCALES=GM.MX_ROW_SCALES, FP4_PTX=GM.MX_FP4_PTX,
-                  FUSED_REDUCE=GM.MX_FUSED_REDUCE)
+                  FUSED_REDUCE=DEFAULT_POLICY.fused_reduce)
     consts.update(overrides)
     ptrs = {"x_ptr": "*fp8e4nv" if kind == "mxfp8" else "*bf16", "w_ptr": "*fp8e4nv" if kind == "mxfp8" else "*u8",
             "ws_ptr": "*fp8e4nv" if kind == "nvfp4" else "*u8", "out_ptr": "*bf16", "cnt_ptr": "*i32"}

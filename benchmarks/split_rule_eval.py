@@ -7,10 +7,10 @@
 The sweep (`probe_kernels.py --only split_rule`) timed, per (N, K, M), the split-K kernel with 1-16 splits and the
 whole-K kernel in CUDA graphs. For each point this prints nothing; per tile height (BM) it prints the geometric
 mean of (time of the rule's pick / time of the best variant) and the worst point, for the rule in
-`engine.kernels.gemm` (`_split_k` with `SPLIT_FILL`, `_heuristic_whole_k`) and for the simpler rule it is compared
+`engine.kernels.decode_plan` (`_split_k` with the policy's `split_fill`, `_heuristic_whole_k`) and for the simpler rule it is compared
 with (K splits until 2 programs per SM, no whole-K). The SM count is the sweep's (its header line).
 
-`--wgmma` scores the sm_90 wgmma rule (`engine.kernels.gemm.wgmma_plan`) against `probe_kernels.py --only
+`--wgmma` scores the sm_90 wgmma rule (`engine.kernels.decode_plan.wgmma_plan`) against `probe_kernels.py --only
 wgmma_split` sweeps: per point its pick's time over the best variant's and over the production dispatch's (`prod`,
 the split-K heuristic where the H200 has no entry); a pick the sweep did not time is an error.
 """
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.kernels import gemm as G  # noqa: E402
 from engine.kernels import decode_plan as P  # noqa: E402
 from engine.kernels import gemm_wgmma as GW  # noqa: E402
 
@@ -51,14 +50,14 @@ def read_sections(path: Path) -> dict[str, tuple[int, dict]]:
     parts = re.split(r"^(?=## )", text, flags=re.M)
     sections = {p.splitlines()[0][3:]: _parse(p, path) for p in parts if p.startswith("## ")}
     if not sections:
-        raise ValueError(f"{path}: no '## ' sections; is this `probe_kernels.py --only mx_split` output?")
+        raise ValueError(f"{path}: no '## ' sections; is this an MX split sweep (benchmarks/results/*/probe_mx_split*.txt)?")
     return sections
 
 
 def _parse(text: str, path: Path) -> tuple[int, dict]:
     sms = re.search(r"(\d+) SMs", text)
     if sms is None:
-        raise ValueError(f"{path}: no '<n> SMs' header; is this `probe_kernels.py --only split_rule` output?")
+        raise ValueError(f"{path}: no '<n> SMs' header; is this a split-rule sweep (benchmarks/results/*/)?")
     rows = {}
     for line in text.splitlines():
         m = ROW.match(line)
@@ -72,7 +71,7 @@ def _parse(text: str, path: Path) -> tuple[int, dict]:
 
 def pick(n: int, k: int, m: int, sms: int, fill, whole_k: bool) -> str:
     """The variant a heuristic runs for (N, K, M): 'wk<block_n>x<groups>' or 's<splits>'. fill: programs per SM for
-    `_split_k`, or a split rule (tiles, steps, SMs, BM) -> splits (`G.mx_split_k`)."""
+    `_split_k`, or a split rule (tiles, steps, SMs, BM) -> splits (`P.mx_split_k`)."""
     if whole_k:
         wk = P._heuristic_whole_k(m, n, torch.device("cuda"))
         if wk:
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for title, (sms, rows) in read_sections(path).items():
             print(f"{title}: {len(rows)} points, {sms} SMs; pick / best split, geometric mean")
             for name, fill in (("fill 2: 2 programs per SM", 2.0), ("fill 4: 4 programs per SM", 4.0),
-                               (f"in the code: MX_SPLIT_RULE {P.MX_SPLIT_RULE}", P.mx_split_k)):
+                               (f"in the code: mx_split_rule {P.DEFAULT_POLICY.mx_split_rule}", P.mx_split_k)):
                 s = score(sms, rows, fill, False)
                 per = "  ".join(f"BM {bm} {g:.3f}"
                                 for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
@@ -156,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     sms, rows = read_sweep(Path(args[0]) if args else DEFAULT)
     print(f"{len(rows)} points, {sms} SMs; pick / best variant, geometric mean")
     for name, fill, wk in (("2 programs per SM, no whole-K", 2.0, False),
-                           (f"in the code: {P.SPLIT_FILL} per SM, whole-K at BM 64 {P.WHOLE_K_AT_BM64}", P.SPLIT_FILL,
-                            P.WHOLE_K_AT_BM64)):
+                           (f"in the code: {P.DEFAULT_POLICY.split_fill} per SM, whole-K at BM 64 {P.DEFAULT_POLICY.whole_k_at_bm64}",
+                            P.DEFAULT_POLICY.split_fill, P.DEFAULT_POLICY.whole_k_at_bm64)):
         s = score(sms, rows, fill, wk)
         per = "  ".join(f"BM {bm} {g:.3f}" for bm, g in sorted((b, g) for b, g in s["geo"].items() if b != "all"))
         print(f"  {name:48s} all {s['geo']['all']:.3f}  {per}  worst {s['worst'][0]:.2f} at {s['worst'][1]}")

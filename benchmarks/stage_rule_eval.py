@@ -1,4 +1,4 @@
-"""Score the split-K kernel's decode pipeline-depth rule (`engine.kernels.gemm._decode_stages`, or other thresholds)
+"""Score the split-K kernel's decode pipeline-depth rule (`engine.kernels.decode_plan._decode_stages`, or other thresholds)
 against `probe_kernels.py --only decode_stages[,decode_stages_check]` output: per point the time of the depth the rule
 picks over the best of the fixed 3 / 4 / 6 stages, as geometric mean and worst, next to the autotuner's column.
 
@@ -18,7 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.kernels import gemm as G  # noqa: E402
 from engine.kernels import decode_plan as P  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30"
@@ -79,10 +78,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path, default=list(DEFAULT))
     ap.add_argument("--limits", type=_limits, default=None,
-                    help="thresholds 'load:stages,...' (default: engine.kernels.gemm.DECODE_STAGES)")
+                    help="thresholds 'load:stages,...' (default: DecodePolicy.decode_stages)")
     args = ap.parse_args(argv)
     if args.limits is None:
-        args.limits = P.DECODE_STAGES
+        args.limits = P.DEFAULT_POLICY.decode_stages
     print(f"rule {args.limits}")
     for path in args.files:
         sms, rows = read_probe(path)

@@ -63,7 +63,7 @@ def _sync() -> None:
 
 
 def _device_name() -> str:
-    """The device name keying gemm.DECODE_CONFIGS ("" off CUDA)."""
+    """The device name keying the decode configs ("" off CUDA)."""
     return torch.cuda.get_device_name(0) if torch.device(DEVICE).type == "cuda" else ""
 
 
@@ -428,12 +428,13 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
                 log.say(f"     M={m}: FAILED {type(exc).__name__}: {exc}")
         log.best[f"gemm {n}x{k}"] = entry
         if e_ref <= 1e-2 and d and d["us"] / best["us"] > 1.03:
-            cfg = dict(dict(split_k=None, block_n=64, num_warps=4, num_stages=4, fused_reduce=False, cluster=False,
+            cfg = dict(dict(split_k=None, block_n=64, num_warps=4, num_stages=4, fused_reduce=False,
                             whole_k=False),
                        **best["cfg"])
             worse = [m for m, v in entry["per_m"].items() if v["best_us"] > 1.05 * v["default_us"]]
-            log.advice.append(f"engine/kernels/gemm.py DECODE_CONFIGS[({dev_name!r}, {n}, {k}, 16)] = dict("
-                              + ", ".join(f"{key}={cfg[key]!r}" for key in P.DECODE_KNOBS)
+            knobs = {key: cfg[key] for key in P.DECODE_KNOBS if cfg.get(key) is not None}
+            log.advice.append(f"engine/kernels/configs/{P.config_file_name(dev_name)} decode entry "
+                              + json.dumps(dict(n=n, k=k, bm=16, knobs=knobs))
                               + f")  # {best['us']:.1f} us vs default {d['us']:.1f} us at M=1"
                               + (f"; SLOWER than the default at M={worse}: check per_m" if worse else ""))
         if (n, k) == DIAG_SHAPE:

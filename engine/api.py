@@ -20,17 +20,18 @@ from engine.recipe import Recipe, load_recipe, storage_bits
 from engine.serving import ServingConfig
 
 BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
+KERNEL_OPTIONS = ("small_m", "attn_block", "legacy_blockwise", "decode_policy")
 
 
 def make_numerics(recipe: Recipe, backend: str, **kernel_options) -> Numerics:
     """The dispatch object of a backend: the emulation, or `NativeNumerics` for `cuda-native`.
 
-    Kernel options (`small_m`, `attn_block`) only mean something to native kernels; the
+    Kernel options (`small_m`, `attn_block`, `decode_policy`) only mean something to native kernels; the
     emulation computes the same math whatever the tiling, so it ignores them.
     """
-    unknown = set(kernel_options) - {"small_m", "attn_block", "legacy_blockwise"}
+    unknown = set(kernel_options) - set(KERNEL_OPTIONS)
     if unknown:
-        raise ValueError(f"unknown kernel options {sorted(unknown)}; known: small_m, attn_block, legacy_blockwise")
+        raise ValueError(f"unknown kernel options {sorted(unknown)}; known: {', '.join(KERNEL_OPTIONS)}")
     if backend == "cuda-native":
         from engine.native import NativeNumerics
 
@@ -192,7 +193,8 @@ class Engine:
     @torch.no_grad()
     def generate_batch(self, requests: Sequence[GenerationRequest], serving: ServingConfig | None = None,
                        step_stats: bool = False, keep_logits: bool = False,
-                       max_batch: int | None = None) -> list[Generation]:
+                       max_batch: int | None = None,
+                       on_done: Callable[[int], None] | None = None) -> list[Generation]:
         """Greedy generations of all `requests`, decoded together as the engine is served (`engine.generation`).
 
         `serving` (default `self.serving`): batch size (`max_batch`), page size, chunked prefill, CUDA graphs;
@@ -200,7 +202,8 @@ class Engine:
         GQA / MQA models go through the paged runtime
         (continuous batching, KV pages in the recipe's cache format); the others decode on the contiguous cache,
         requests of equal prompt length together. `step_stats`: per generated token, the entropy and top-2
-        margin of its distribution; `keep_logits`: the step logits too (small models only).
+        margin of its distribution; `keep_logits`: the step logits too (small models only); `on_done(n)`: n more
+        requests finished (a progress bar).
         """
         serving = serving or self.serving
         if max_batch is not None and max_batch != serving.max_batch:
@@ -210,7 +213,7 @@ class Engine:
             return []
         if not self.runtime_serves():
             return contiguous_generate(self, requests, serving.max_batch, serving.prefill_chunk, step_stats,
-                                       keep_logits)
+                                       keep_logits, on_done)
         from engine.runtime import PagedRuntime
 
         need = max(len(r.prompt) + r.max_new_tokens for r in requests)
@@ -221,7 +224,7 @@ class Engine:
             self._runtime = rt = None  # free the old pages before allocating the new ones
             rt = PagedRuntime(self, dataclasses.replace(serving, max_tokens=need))
             self._runtime = rt
-        return rt.serve(requests, step_stats=step_stats, keep_logits=keep_logits)
+        return rt.serve(requests, step_stats=step_stats, keep_logits=keep_logits, on_done=on_done)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),

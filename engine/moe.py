@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.formats import QTensor

@@ -167,10 +167,13 @@ class NativeNumerics(Numerics):
     the H200 took 6.15 ms per step with it vs 7.14 ms with cuBLAS blockwise from
     M = 17 up, 2026-11-29; bench_e2e.py --small-m
     compares). `attn_block`: the attention
-    kernel's key/query tile (64, 128 or 256; a serving-config knob).
+    kernel's key/query tile (64, 128 or 256; a serving-config knob). `decode_policy`: which GEMM kernel and
+    configuration each call gets (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`, the shipped
+    per-device configs and rules), handed to every GEMM call; an A/B measurement passes another one.
     """
 
-    def __init__(self, recipe: Recipe, small_m: int = 64, attn_block: int = 64, legacy_blockwise: bool = False):
+    def __init__(self, recipe: Recipe, small_m: int = 64, attn_block: int = 64, legacy_blockwise: bool = False,
+                 decode_policy=None):
         super().__init__(recipe)
         # legacy_blockwise: a deliberately broken kernel variant for the harness's own tests -- FP8 block
         # GEMMs through the old `torch._scaled_mm` call with unpadded scales, silently wrong when
@@ -180,7 +183,9 @@ class NativeNumerics(Numerics):
             raise RuntimeError("backend 'cuda-native' needs a CUDA GPU; none is visible (use cpu-emulated)")
         from engine.kernels import attention as attn_k  # noqa: F401  (fail early when Triton is missing)
         from engine.kernels import gemm, gemm_mx, quant
+        from engine.kernels.decode_plan import DEFAULT_POLICY
 
+        self.decode_policy = decode_policy if decode_policy is not None else DEFAULT_POLICY
         self._quant_k, self._gemm_k, self._mx_k, self._attn_k = quant, gemm, gemm_mx, attn_k
         self.small_m = small_m
         self.attn_block = attn_block
@@ -472,13 +477,13 @@ class NativeNumerics(Numerics):
                 rnd = "bf16" if out_dtype == torch.bfloat16 else None
                 y = g.fp8_block_linear(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
                                        w.q.data, w.q.scale, bias=bias, small_m=self.small_m, out_round=rnd,
-                                       out_dtype=torch.float32 if rnd else out_dtype)
+                                       out_dtype=torch.float32 if rnd else out_dtype, policy=self.decode_policy)
             elif w.spec == "e4m3:tensor":
                 y = g.fp8_tensor_linear(xq.data.reshape(-1, k), xq.scale, w.q.data, w.q.scale, bias=bias,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, policy=self.decode_policy)
             elif w.spec == "mxfp8":
                 y = self._mx_k.mx_linear(xq, w.kernel if w.kernel is not None else w.q, bias=bias,
-                                         out_dtype=out_dtype)
+                                         out_dtype=out_dtype, policy=self.decode_policy)
             else:
                 self._count("linear", f"fallback:{x_spec}x{w.spec}")
                 return None
@@ -487,7 +492,7 @@ class NativeNumerics(Numerics):
             x2 = xq.reshape(-1, k)
             if w.spec in ("mxfp4", "nvfp4"):
                 y = self._mx_k.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q,
-                                         bias=bias, out_dtype=out_dtype)
+                                         bias=bias, out_dtype=out_dtype, policy=self.decode_policy)
             else:  # float weight: cuBLAS in the weight's dtype (fp32 accumulate; TF32 off by the reference setup)
                 dt = w.kernel.dtype
                 y = F.linear(x2.to(dt), w.kernel, None if bias is None else bias.to(dt))

@@ -188,7 +188,7 @@ def test_wheel_in_a_fresh_virtualenv_runs_lm_eval_tasks_offline(tmp_path, data_d
     with zipfile.ZipFile(wheel) as zf:  # the package data the harness reads at run time
         names = set(zf.namelist())
     assert {"evalharness/taskdata/datasets.yaml", "engine/recipes/fp8-block.yaml",
-            "evalharness/builtin/tiny-llama/config.json"} <= names, sorted(n for n in names if not n.endswith(".py"))
+            "engine/kernels/configs/nvidia-h200.json", "evalharness/builtin/tiny-llama/config.json"} <= names, sorted(n for n in names if not n.endswith(".py"))
     venv = tmp_path / "venv"
     # The virtualenv reuses the installed torch / transformers / lm-eval (no downloads); the package is the wheel's.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True,

@@ -38,16 +38,14 @@ Paths:
 
 Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (or, with
 ``fused_reduce``, the last split of each tile -- found with an arrival counter -- sums them in the
-same order; with ``cluster``, the splits of a tile form one thread-block cluster and sum them in the same order
-through distributed shared memory; no atomic accumulation either way), so a given (shape, device) always
-produces the same bits; at M <= 16 / splits with 2 or 4 splits, on CUDA, the splits instead sit side by side in one
-program's MMA tile and are summed in registers in the same order (`_fp8_sliced_gemm_kernel`: the same bits, without
-the partials' round trip). The number of splits is a function of the shape and the SM count only, or of a
-``DECODE_CONFIGS`` entry (measured configs stored as data, per device and shape; the tuning knobs
-are keyword arguments of :func:`fp8_block_gemm_triton`). Decode calls on weights of >= 2**24
-elements without an entry take their pipeline depth from the programs per SM (`_decode_stages`; measured as a
-decode step runs them); `DECODE_STAGE_CHOICE = "autotune"` instead times 3 depths on the first call per shape
-(~0.1 s: warm up before capturing a CUDA graph). No wrapper synchronizes the host.
+same order; no atomic accumulation either way), so a given (shape, device) always produces the same bits; at
+M <= 16 / splits with 2 or 4 splits, on CUDA, the splits instead sit side by side in one program's MMA tile and are
+summed in registers in the same order (`_fp8_sliced_gemm_kernel`: the same bits, without the partials' round trip).
+The number of splits is a function of the shape, the SM count and the decode policy
+(`engine.kernels.decode_plan.DecodePolicy`: measured entries per device and shape from
+`engine/kernels/configs/<device>.json`, and the rules for other shapes; the tuning knobs are keyword arguments of
+:func:`fp8_block_gemm_triton`). Every wrapper takes ``policy`` (default `DEFAULT_POLICY`). No wrapper synchronizes
+the host.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.decode_plan import DecodePolicy
 from engine.kernels.gemm_fp8 import FP8, _launch_fp8
 from engine.kernels.splitk import GROUP, _bad, _cdiv, _check_out, _round_up, _rows
 
@@ -101,42 +100,39 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None, *,
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
                           num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
-                          cluster: Optional[bool] = None, whole_k: Optional[int] = None,
-                          sliced: Optional[int] = None, wgmma: Optional[int] = None) -> torch.Tensor:
+                          whole_k: Optional[int] = None, sliced: Optional[int] = None, wgmma: Optional[int] = None,
+                          policy: Optional[DecodePolicy] = None) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
     ceil(K/128)); bias (N,) or None -> (..., N) in out_dtype.
 
-    Tuning knobs (None: a `DECODE_CONFIGS` entry for this device / shape when all are None, else the
-    defaults): ``split_k`` K splits (changes the fp32 summation order); ``block_n`` weight rows per
+    Tuning knobs (None: the policy's decode entry for this device / shape when all are None, else its
+    rules): ``split_k`` K splits (changes the fp32 summation order); ``block_n`` weight rows per
     program (16 / 32 / 64 / 128); ``num_warps``, ``num_stages`` (pipeline depth); ``fused_reduce``:
     the last split of each tile sums the partials (same bits as the separate reduce kernel, one launch
-    fewer; fused calls must run in stream order, see `_tile_counters`); ``cluster``: the splits of each
-    tile run as one thread-block cluster and sum their partials through distributed shared memory
-    (`_cluster_reduce`: same bits again; CUDA sm_90+ with 2 / 4 / 8 splits dividing ``block_n``, else
-    the fused reduce runs); ``whole_k`` (True, or 2 / 4 groups per pipeline stage): no split-K at all, each
+    fewer; fused calls must run in stream order, see `_tile_counters`); ``whole_k`` (True, or 2 / 4 groups per pipeline stage): no split-K at all, each
     program streams ``block_n`` (16 / 32 / 64, default 64) whole weight rows through the Gluon wgmma kernel of
     `engine.kernels.gemm_wgmma` -- the same bits as ``split_k=1, block_n=64`` on the H200 (CUDA compute
     capability 9.0, M <= 64, K a multiple of 16 up to 16384; elsewhere the split-K kernel with one split runs
-    instead). Without knobs or an entry, calls with 33-64 rows take it on the H200 (`WHOLE_K_AT_BM64`); at
+    instead). Without knobs or an entry, calls with 33-64 rows take it on the H200 (`whole_k_at_bm64`); at
     M <= 32 it is slower than split-K there, and opt-in; ``sliced`` (2 / 4 / 8): split-K inside one program, the
     K slices side by side in one MMA tile and summed in registers (`_fp8_sliced_gemm_kernel`: the bits of
     ``split_k=sliced, block_n=64`` on the H200 without the partials' trip through memory; ``block_n`` is then the
     weight rows per slice, default 64 / sliced). On CUDA, split-K calls with 2 or 4 splits of 64-row tiles and
-    M <= 16 / splits take it by themselves (`SLICED_AUTO`); ``sliced=False`` keeps them on the split-K kernel;
+    M <= 16 / splits take it by themselves (`sliced_auto`); ``sliced=False`` keeps them on the split-K kernel;
     ``wgmma`` (True, or 2 / 4 groups per pipeline stage): the Gluon wgmma kernel of `engine.kernels.gemm_wgmma` with
     the activation rows on the wgmma's N side, 64-row weight tiles, ``split_k`` K splits (default: the split rule's)
     of whole pipeline stages and the same fused reduce -- the bits of ``split_k=S, block_n=64`` with the same K
     partition on the H200 (sm_90, M <= 64; elsewhere the split-K kernel runs); ``num_stages`` then counts its
-    pipeline stages (default: `gemm_wgmma.swap_stages`). The H200's `DECODE_CONFIGS` entries for the big Llama-3-8B
+    pipeline stages (default: `gemm_wgmma.swap_stages`). The H200's decode entries for the big Llama-3-8B
     decode shapes at BM 16 select it; ``wgmma=False`` keeps a call off it (and on the entry's split-K config).
     """
     x, xs, w, ws, lead = _block_operands(x_data, x_scale, w_data, w_scale)
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, cluster=cluster,
-                      whole_k=whole_k, sliced=sliced, wgmma=wgmma)
+                      bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, whole_k=whole_k,
+                      sliced=sliced, wgmma=wgmma, policy=policy)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -191,7 +187,8 @@ def scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: tor
 
 def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                     small_m: int = 64, out_round: Optional[str] = None) -> torch.Tensor:
+                     small_m: int = 64, out_round: Optional[str] = None,
+                     policy: Optional[DecodePolicy] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for e4m3:1x128 activations and e4m3:128x128 weights.
 
     Args:
@@ -204,6 +201,7 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
         small_m: M <= small_m runs the Triton decode kernel (cuBLAS FP8 is no faster than bf16
             there); larger M runs cuBLAS blockwise (:func:`scaled_mm_blockwise`), or the Triton
             kernel with large tiles when cuBLAS is missing / refuses (with a warning).
+        policy: the decode plan (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`).
 
     Returns:
         (M, N) (or (..., N)) in out_dtype.
@@ -223,7 +221,7 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
                           f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
                           "using the Triton blockwise GEMM", RuntimeWarning, stacklevel=2)
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, None, round_bf16=out_round is not None)
+                      bias, out_dtype, None, round_bf16=out_round is not None, policy=policy)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -310,7 +308,7 @@ def scaled_mm_tensorwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: to
 
 def fp8_tensor_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                       bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                      small_m: int = 64) -> torch.Tensor:
+                      small_m: int = 64, policy: Optional[DecodePolicy] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for per-tensor FP8 (e4m3:tensor) operands.
 
     x_data (M, K) (or (..., K)) float8_e4m3fn, x_scale one fp32; w_data (N, K), w_scale one fp32;
@@ -326,7 +324,7 @@ def fp8_tensor_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch
             warnings.warn(f"fp8_tensor_linear: cuBLAS tensor-wise FP8 refused (M, K, N) = "
                           f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
                           "using the Triton GEMM", RuntimeWarning, stacklevel=2)
-    out = _launch_fp8(x, xs, (0, 0), w, ws, (0, 0), bias, out_dtype, None)
+    out = _launch_fp8(x, xs, (0, 0), w, ws, (0, 0), bias, out_dtype, None, policy=policy)
     return out.reshape(*lead, w.shape[0])
 
 

@@ -17,52 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import cluster as cl
 from engine.kernels import gemm_wgmma as gw
 from engine.kernels import sm_count
-from engine.kernels.cluster import arrive as cluster_arrive, load_local, store_remote, wait as cluster_wait
 from engine.kernels.quant import _round_bf16
-from engine.kernels.pdl import l2_prefetch, launch_opts, pdl_enter
+from engine.kernels.pdl import launch_opts, pdl_enter
 from engine.kernels import decode_plan as plan
 from engine.kernels import splitk as sk
-from engine.kernels.decode_plan import (SLICES, _decode_knobs, _decode_stages, _opt_outs, _plan_split, _sliced_instead,
-                                        _tiles)
+from engine.kernels.decode_plan import (DEFAULT_POLICY, SLICES, DecodePolicy, _decode_knobs, _decode_stages, _opt_outs,
+                                        _plan_split, _sliced_instead, _tiles)
 from engine.kernels.splitk import GROUP, _bad, _cdiv, _epilogue, _last_split_reduce, _tile_counters
 
 
 FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr, BN: tl.constexpr, BM: tl.constexpr,
-                    S: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Split-K reduce inside a cluster of the S splits of one tile (engine.kernels.cluster): rows
-    [r * BN/S, (r+1) * BN/S) of the tile belong to rank r. Each split stores those rows of its partial acc
-    (BN, BM) into rank r's shared memory (slot = its split index), the cluster barrier publishes them, and
-    each rank sums its rows' S slots in split order from zero -- the same fp32 additions as
-    `_splitk_reduce_kernel` and the fused reduce, so the same bits -- and writes them to out (M, N)."""
-    ROWS: tl.constexpr = BN // S
-    SLOT: tl.constexpr = ROWS * BM * 4
-    REGION: tl.constexpr = S * SLOT
-    n_l = tl.arange(0, BN)
-    m_l = tl.arange(0, BM)
-    off = pid_s * SLOT + ((n_l % ROWS)[:, None] * BM + m_l[None, :]) * 4
-    dst = (n_l // ROWS)[:, None] + m_l[None, :] * 0
-    ready = cluster_wait(started)  # every CTA of the cluster runs: its shared memory exists
-    store_remote(acc, off + ready * 0, dst, REGION)
-    cluster_wait(cluster_arrive(ready, True))  # every split's rows are in place
-    r_l = tl.arange(0, ROWS)
-    r_off = (r_l[:, None] * BM + m_l[None, :]) * 4
-    tot = tl.zeros((ROWS, BM), dtype=tl.float32)
-    for s in tl.static_range(S):  # split order, as _splitk_reduce_kernel
-        tot += load_local(r_off + s * SLOT, REGION)
-    offs_n = pid_n * BN + pid_s * ROWS + r_l
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    if HAS_BIAS:
-        tot += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    if ROUND_BF16:
-        tot = _round_bf16(tot)
-    tl.store(out_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], tot.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -112,35 +78,26 @@ def _fp8_block_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, bias
                            stride_xm, stride_wn, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                            BM: tl.constexpr, BN: tl.constexpr, USE_PART: tl.constexpr,
                            HAS_BIAS: tl.constexpr, FUSED_REDUCE: tl.constexpr, ROUND_BF16: tl.constexpr = False,
-                           PDL: tl.constexpr = False, CLUSTER: tl.constexpr = 1, RED: tl.constexpr = 4):
+                           PDL: tl.constexpr = False, RED: tl.constexpr = 4):
     """Grid (N tiles, M tiles, K splits). acc (BN, BM) += dot(W (BN, 128), X^T (128, BM)) * ws * xs
     per 128-wide K group: FP8 tensor-core dot, promoted to fp32 once per group. BN divides 128, so
     one weight-scale row serves the whole tile. Per-tensor scales use stride 0.
 
-    The loop is `_scaled_steps` (also the fixed-reducer probe's, benchmarks/probe_kernels.py).
+    The loop is `_scaled_steps`.
     FUSED_REDUCE (split-K): the last split to finish a tile sums all partials itself (`_last_split_reduce`, per-tile
     arrival counters cnt_ptr): the same bits as `_splitk_reduce_kernel`, without its launch."""
     pdl_enter(PDL)
     pid_m = tl.program_id(1)
-    if CLUSTER > 1:  # grid (N tiles * CLUSTER, M tiles) in clusters of CLUSTER: the splits of one tile
-        pid_n = tl.program_id(0) // CLUSTER
-        pid_s = tl.program_id(0) % CLUSTER
-        started = cluster_arrive(pid_s, False)  # matched by the wait before the first remote store
-    else:
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(2)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(2)
     offs_n, offs_m, n_ok, m_ok, w_rows, x_rows, ws_row, xs_rows, g0, g1 = _split_k_tile(
         x_ptr, xs_ptr, w_ptr, ws_ptr, pid_n, pid_m, pid_s, M, N, K, groups_per_split, stride_xm, stride_wn,
         stride_xsm, stride_wsn, BM, BN)
     acc = _scaled_steps(tl.zeros((BN, BM), dtype=tl.float32), w_rows, x_rows, ws_row, xs_rows, g0, g1, K, n_ok,
                         m_ok, stride_wsg, stride_xsg)
-    if CLUSTER > 1:
-        _cluster_reduce(acc, started, pid_n, pid_s, offs_m, M, N, out_ptr, bias_ptr, BN, BM, CLUSTER, HAS_BIAS,
-                        ROUND_BF16)
-    else:
-        _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
-                  USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
-    if USE_PART and FUSED_REDUCE and CLUSTER == 1:
+    _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, out_ptr,
+              USE_PART, HAS_BIAS and not FUSED_REDUCE, False, ROUND_BF16)
+    if USE_PART and FUSED_REDUCE:
         _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, out_ptr, bias_ptr, out_ptr, cnt_ptr,
                            BN, BM, HAS_BIAS, False, ROUND_BF16, RED)
 
@@ -219,21 +176,14 @@ def _gemv_rows(w_ptr, ws_ptr, pid, N, K, stride_wn, stride_wsn, BN: tl.constexpr
 @triton.jit(do_not_specialize=["N", "stride_xsg", "stride_wsn", "stride_wsg"])
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stride_wn, stride_xsg, stride_wsn,
                      stride_wsg, BN: tl.constexpr, GK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False, PF_BYTES: tl.constexpr = 0):
+                     ROUND_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """M = 1 on CUDA cores, grid (cdiv(N, BN),): a program streams BN whole weight rows, GK 128-groups per step
     (16-byte cp.async loads, L2 only, pipelined STAGES deep through shared memory; no MMA, no split-K and so
     no reduce). Per
     group: the 128 exact E4M3 x E4M3 products summed in fp32, times w_scale * x_scale, accumulated in fp32
     -- the block-scaled math of `_fp8_block_gemm_kernel` in another summation order. BN divides 128 (one
-    weight-scale row per program); per-tensor scales use stride 0.
-
-    PF_BYTES > 0 (with PDL): before waiting for the previous kernel, prefetch the first PF_BYTES of each of
-    the program's weight rows into L2 (weights are constant within a step; engine.kernels.pdl)."""
+    weight-scale row per program); per-tensor scales use stride 0."""
     pid = tl.program_id(0)
-    if PF_BYTES > 0:
-        for r in tl.static_range(BN):
-            if pid * BN + r < N:
-                l2_prefetch(w_ptr + (pid * BN + r).to(tl.int64) * stride_wn, PF_BYTES)
     pdl_enter(PDL)
     rows, r_ok, offs, kb, ws_row, w_rows = _gemv_rows(w_ptr, ws_ptr, pid, N, K, stride_wn, stride_wsn, BN, GK)
     acc = tl.zeros((BN,), dtype=tl.float32)
@@ -255,74 +205,29 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stri
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
-def _bench_quick(fn, quantiles):
-    """Short autotuning benchmark (the default spends ~125 ms per config)."""
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-# DECODE_STAGE_CHOICE = "autotune". Keyed by the split count too: a call with only split_k given must not inherit the
-# stages tuned for another split count of the same shape.
-_fp8_block_gemm_tuned = triton.autotune(
-    configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (3, 4, 6)],
-    key=["N", "K", "BM", "BN", "USE_PART", "n_splits"], do_bench=_bench_quick)(_fp8_block_gemm_kernel)
-
-
 def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
-                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
-                 prefetch: Optional[int] = None) -> None:
+                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4) -> None:
     """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
-    H200 sweep (2026-11-29): 8 rows x 8 groups per step.
-    `prefetch`: L2-prefetched bytes per weight row (None: `GEMV_PREFETCH_BYTES`; 0 or unaligned rows: none)."""
+    H200 sweep (2026-11-29): 8 rows x 8 groups per step."""
     n, k = w.shape
     gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
-    pf = min(plan.GEMV_PREFETCH_BYTES if prefetch is None else prefetch, k) // 16 * 16
-    if not (w.is_cuda and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0):
-        pf = 0
     _fp8_gemv_kernel[(_cdiv(n, block_n),)](
         x, xs, w, ws, out, bias if bias is not None else out, n, k, w.stride(0), xs_strides[1], *ws_strides,
         BN=block_n, GK=gk, STAGES=num_stages, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
-        PF_BYTES=pf, num_warps=num_warps, **launch_opts(x))
-
-
-def _cluster_ok(x: torch.Tensor, splits: int, bn: int) -> bool:
-    """Whether the cluster reduce can run: CUDA sm_90+, 2 / 4 / 8 splits (portable cluster sizes) that divide the
-    tile's rows. Otherwise the fused reduce runs instead (the same additions in the same order: same bits)."""
-    return (x.is_cuda and splits in (2, 4, 8) and bn % splits == 0
-            and cl.supported(x.device.index if x.device.index is not None else torch.cuda.current_device()))
-
-
-def _launch_cluster(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
-                    ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
-                    bm: int, bn: int, splits: int, per: int, round_bf16: bool, num_warps: int, num_stages: int) -> None:
-    """The split-K kernel with its `splits` K splits of each tile in one thread-block cluster, reduced through
-    distributed shared memory (`_cluster_reduce`): no partial-sum buffer, no counters.
-
-    Opt-in only (no default, no DECODE_CONFIGS entry). H200, 4096x14336, 4 splits x 64 rows, one call after a
-    clean L2 flush: M = 4 21.1 us vs the fused reduce's 21.0, M = 16 21.7 vs 21.5; back to back in a CUDA graph
-    with PDL 26.1 vs 18.8 us (without PDL 18.9 vs 19.0). Clusters of 4 leave 8 of the 132 SMs unused (124 SMs,
-    2-3 programs each) and the partial exchange through the cluster barrier costs what the global handshake
-    does (2026-11-29)."""
-    m, k = x.shape
-    n = w.shape[0]
-    opts = launch_opts(x)
-    args = dict(x_ptr=x, xs_ptr=xs, w_ptr=w, ws_ptr=ws, out_ptr=out, part_ptr=out,
-                bias_ptr=bias if bias is not None else out, cnt_ptr=out, M=m, N=n, K=k, groups_per_split=per,
-                n_splits=splits, stride_xm=x.stride(0), stride_wn=w.stride(0), stride_xsm=xs_strides[0],
-                stride_xsg=xs_strides[1], stride_wsn=ws_strides[0], stride_wsg=ws_strides[1], BM=bm, BN=bn,
-                USE_PART=True, HAS_BIAS=bias is not None, FUSED_REDUCE=False, ROUND_BF16=round_bf16,
-                PDL=opts["PDL"], CLUSTER=splits, RED=1)
-    cl.launch(_fp8_block_gemm_kernel, (_cdiv(n, bn), _cdiv(m, bm)), splits, bn * bm * 4, args,
-              num_warps=num_warps, num_stages=num_stages, **{k_: v for k_, v in opts.items() if k_ != "PDL"})
+        num_warps=num_warps, **launch_opts(x))
 
 
 def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                    ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
                    round_bf16: bool, slices: int, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-                   num_stages: Optional[int] = None, per: Optional[int] = None) -> None:
+                   num_stages: Optional[int] = None, per: Optional[int] = None,
+                   policy: DecodePolicy = DEFAULT_POLICY) -> None:
     """`_fp8_sliced_gemm_kernel` on x (M, K), w (N, K) into out (M, N): `slices` K slices of `per` 128-groups (default
     ceil(K/128 / slices), as `_plan_split`) and block_n weight rows each (default 64 / slices: 64-row MMA tiles) per
     program, activation tiles of BM = the next power of two >= M (at least 16 / slices columns per slice, so that the
     MMA's N side is >= 16). On the H200 the same bits as the split-K kernel with 64-row tiles, 4 warps and the same
-    K partition, and its reduce (`probe_kernels.py --only gemm_sliced`, tests/engine/kernels/gemm/test_fp8_block.py)."""
+    K partition, and its reduce (tests/engine/kernels/gemm/test_fp8_block.py)."""
     m, k = x.shape
     n = w.shape[0]
     if slices not in SLICES:
@@ -337,7 +242,8 @@ def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int
                    f"MMA columns; use at most 128 (M <= {128 // slices}), or split_k")
     per = per or _cdiv(_cdiv(k, GROUP), slices)
     grid = (_cdiv(n, rows), _cdiv(m, bm))
-    stages = num_stages or (_decode_stages(grid[0] * grid[1], sm_count(x.device)) if x.is_cuda else 3)
+    stages = num_stages or (_decode_stages(grid[0] * grid[1], sm_count(x.device), policy.decode_stages)
+                            if x.is_cuda else 3)
     _fp8_sliced_gemm_kernel[grid](x, xs, w, ws, out, bias if bias is not None else out, m, n, k, per,
                                   x.stride(0), w.stride(0), *xs_strides, *ws_strides, BM=bm, R=rows, S=slices,
                                   HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=num_warps or 4,
@@ -362,13 +268,13 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 out_dtype: torch.dtype, split_k: Optional[int], block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                 fused_reduce: Optional[bool] = None, round_bf16: bool = False,
-                cluster: Optional[bool] = None, whole_k: Optional[int] = None,
-                sliced: Optional[int] = None, wgmma: Optional[int] = None) -> torch.Tensor:
+                whole_k: Optional[int] = None, sliced: Optional[int] = None, wgmma: Optional[int] = None,
+                policy: Optional[DecodePolicy] = None) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
-    Knobs left None come from `DECODE_CONFIGS` (all of them, when an entry matches) or the defaults:
-    `_tiles` (BN, warps, stages; on big decode weights `_decode_stages`), `_split_k`, the fused reduce on
-    CUDA (`FUSED_REDUCE_DEFAULT`)."""
+    Knobs left None come from the policy's decode entry (all of them, when one matches) or its rules: `_tiles` (BN,
+    warps, stages; on big decode weights `_decode_stages`), `_split_k`, the fused reduce on CUDA."""
+    policy = policy or DEFAULT_POLICY
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -378,18 +284,18 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         out.zero_()
         return out if bias is None else out.add_(bias.to(out_dtype))
     knobs = dict(split_k=split_k, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 fused_reduce=fused_reduce, cluster=cluster, whole_k=whole_k, sliced=sliced, wgmma=wgmma)
-    if m == 1 and x.is_cuda and plan.GEMV_M1 and all(v is None for v in knobs.values()):
+                 fused_reduce=fused_reduce, whole_k=whole_k, sliced=sliced, wgmma=wgmma)
+    if m == 1 and x.is_cuda and policy.gemv_m1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
-                     **plan.GEMV_CONFIGS.get((plan._device_name(x.device.type, x.device.index), n, k), {}))
+                     **plan._gemv_knobs(n, k, x.device, policy))
         return out
-    cfg = _decode_knobs(m, n, k, x.device, knobs)
+    cfg = _decode_knobs(m, n, k, x.device, knobs, policy)
     opt_outs = _opt_outs(cfg)
     auto = {}
     if cfg == opt_outs:  # neither knobs nor an entry: the heuristic's kernel
-        auto = plan._heuristic_whole_k(m, n, x.device)
+        auto = plan._heuristic_whole_k(m, n, x.device, policy)
         if not auto and opt_outs.get("wgmma") is not False:
-            auto = plan._heuristic_wgmma(m, n, k, x.device)
+            auto = plan._heuristic_wgmma(m, n, k, x.device, policy)
     cfg = dict(cfg, **auto)
     if cfg.get("whole_k"):
         wbn = cfg.get("block_n") or gw.BLOCK_N
@@ -403,13 +309,13 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         cfg = opt_outs if auto else dict(cfg, split_k=1)
     if cfg.get("sliced") and not isinstance(cfg["sliced"], bool):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, cfg["sliced"],
-                       cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"))
+                       cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"), policy=policy)
         return out
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
     if bn not in (16, 32, 64, 128):
         raise _bad(f"block_n={bn}: use 16, 32, 64 or 128 (it must divide the 128-wide weight-scale blocks)")
-    splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"))
+    splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, cfg.get("split_k"), policy=policy)
     if cfg.get("wgmma"):  # the rule's or the given split count; where it cannot run, the split-K kernel below
         if bn != 64:
             raise _bad(f"wgmma with block_n={bn}: the wgmma kernel's weight tile is 64 rows (its wgmma M)")
@@ -419,17 +325,13 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
             return out
         if auto:  # the rule's kernel cannot run here: the split rule's own call
             cfg = opt_outs
-            splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, None)
-    if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg):
+            splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, None, policy=policy)
+    if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg, policy):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, splits, None, 4,
-                       cfg.get("num_stages"), per)
+                       cfg.get("num_stages"), per, policy=policy)
         return out
     fr = cfg.get("fused_reduce")
-    fused = (plan.FUSED_REDUCE_DEFAULT and x.is_cuda if fr is None else bool(fr)) and splits > 1
-    if cfg.get("cluster") and _cluster_ok(x, splits, bn):
-        _launch_cluster(x, xs, xs_strides, w, ws, ws_strides, bias, out, bm, bn, splits, per, round_bf16,
-                        cfg.get("num_warps") or warps, cfg.get("num_stages") or stages)
-        return out
+    fused = (policy.fused_reduce and x.is_cuda if fr is None else bool(fr)) and splits > 1
     part = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
     cnt = _tile_counters(x.device, grid[0] * grid[1]) if fused else out
@@ -439,14 +341,10 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 FUSED_REDUCE=fused, ROUND_BF16=round_bf16,
                 RED=sk.reduce_burst(splits, grid[0] * grid[1] * grid[2], sm_count(x.device)) if fused else 1)
     explicit = cfg.get("num_warps") is not None or cfg.get("num_stages") is not None
-    big_decode = x.is_cuda and m <= 64 and n * k >= plan.TUNE_MIN_WEIGHT and not explicit
-    if big_decode and plan.DECODE_STAGE_CHOICE == "autotune":
-        _fp8_block_gemm_tuned[grid](*args, **meta, **launch_opts(x))
-    else:
-        if big_decode:
-            stages = _decode_stages(grid[0] * grid[1] * grid[2], sm_count(x.device))
-        _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
-                                     num_stages=cfg.get("num_stages") or stages, **launch_opts(x))
+    if x.is_cuda and m <= 64 and n * k >= policy.tune_min_weight and not explicit:  # big decode weight
+        stages = _decode_stages(grid[0] * grid[1] * grid[2], sm_count(x.device), policy.decode_stages)
+    _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
+                                 num_stages=cfg.get("num_stages") or stages, **launch_opts(x))
     if splits > 1 and not fused:
         sk._reduce(part, out, bias, None, round_bf16)
     return out

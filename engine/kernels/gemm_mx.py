@@ -20,7 +20,7 @@ import triton.language as tl
 
 from engine.kernels import sm_count
 from engine.kernels import splitk as sk
-from engine.kernels.decode_plan import _plan_split, _tiles
+from engine.kernels.decode_plan import DEFAULT_POLICY, DecodePolicy, _plan_split, _tiles
 from engine.kernels.gemm import _expand_block_scale, _pad2, _ref_matmul
 from engine.kernels.gemm_fp8 import FP8
 from engine.kernels.splitk import (_bad, _cdiv, _check_out, _epilogue, _last_split_reduce, _round_up, _rows,
@@ -264,9 +264,6 @@ MX_ROW_SCALES = True
 # With MX_ROW_SCALES on NVIDIA CUDA: packed E2M1 decoded to bf16 by PRMT table lookups in inline PTX
 # (`_e2m1_bytes_to_bf16`) and multiplied by the block scales in bf16 (same bits; never under the CPU interpreter).
 MX_FP4_PTX = True
-# MX split-K partials summed by the last split of each tile (`_last_split_reduce`) on CUDA, as FUSED_REDUCE_DEFAULT for
-# the FP8 kernel (same bits as the reduce kernel).
-MX_FUSED_REDUCE = True
 
 
 # ============================================================================ MX / NVFP4
@@ -390,7 +387,7 @@ def _mx_operands(x: Any, w: Any, x_scale: Optional[torch.Tensor]):
 
 def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
               out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None,
-              fused_reduce: Optional[bool] = None) -> torch.Tensor:
+              fused_reduce: Optional[bool] = None, policy: Optional[DecodePolicy] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with an MXFP8 / MXFP4 / NVFP4 weight, dequantized inside the Triton kernel.
 
     Args:
@@ -403,7 +400,9 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
         split_k: override the heuristic number of K splits.
         fused_reduce: split-K partials summed by the last split of each tile (`_last_split_reduce`, the bits of the
             reduce kernel, one launch fewer; calls must run in stream order, see `_tile_counters`); default
-            `MX_FUSED_REDUCE` on CUDA.
+            the policy's `fused_reduce` on CUDA.
+        policy: the decode plan's rules (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`): the
+            MX split rule and the fused reduce.
 
     Returns:
         (M, N) (or (..., N)) in out_dtype.
@@ -419,11 +418,12 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
     if m > 64:
         bm, bn = 128, 64  # a (64, 128) bf16 MMA tile keeps the dequantized operands in registers
     n_chunks = w.data.shape[1] * (2 if w.is_fp4 else 1) // MX_CHUNK
-    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k, mx=True)
+    policy = policy or DEFAULT_POLICY
+    splits, per = _plan_split(m, n, n_chunks, bm, bn, x2.device, split_k, mx=True, policy=policy)
     part = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else out
     ts = w.tensor_scale
     grid = (_cdiv(n, bn), _cdiv(m, bm), splits)
-    fused = (MX_FUSED_REDUCE and x2.is_cuda if fused_reduce is None else bool(fused_reduce)) and splits > 1
+    fused = (policy.fused_reduce and x2.is_cuda if fused_reduce is None else bool(fused_reduce)) and splits > 1
     _mx_gemm_kernel[grid](
         x2, xs if xs is not None else x2, w.data, w.scale, ts if ts is not None else out, out, part,
         bias if bias is not None else out, _tile_counters(x2.device, grid[0] * grid[1]) if fused else out,

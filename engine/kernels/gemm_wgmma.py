@@ -248,7 +248,7 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
                           TIMES: gl.constexpr = False, RED: gl.constexpr = 4):
     """Grid (cdiv(N, BN), K splits), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring.
     Program (pid, pid_s) walks the 128-groups [pid_s * groups_per_split, + groups_per_split) of K (a multiple of
-    GPS; all of K with one split). TIMES (a probe build, benchmarks/probe_kernels.py): t[pid * splits + pid_s] =
+    GPS; all of K with one split). TIMES (a timing build for profiling): t[pid * splits + pid_s] =
     (%globaltimer at its start, when its first stage has arrived, after its loop, at its end; its SM)."""
     XR: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]

@@ -475,7 +475,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     by position, optional sliding window. block_n: keys per tile (any page size); num_splits: programs
     per (sequence, kv_head) (default `decode_splits`: about 8 warps' worth of programs per SM, rounded
     down; fix it for CUDA graphs). Tuning knobs (see `_paged_decode_kernel`; benchmarks/tune_kernels.py
-    and benchmarks/probe_kernels.py --only attn sweep them): block_n, num_splits, num_warps and
+    sweeps them): block_n, num_splits, num_warps and
     num_stages (default `decode_tiles`: 2 warps / 5 stages for FP8 pages, 4 / 5 otherwise); maxnreg
     (registers per thread);
     qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q), fold_v_scale (default: on for an FP8

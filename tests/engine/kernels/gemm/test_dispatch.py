@@ -1,8 +1,8 @@
-"""Which kernel and knobs a GEMM call runs (engine/kernels/gemm.py): the measured decode-GEMM configs
-(`DECODE_CONFIGS`) -- every entry is one the kernels accept, the dispatch runs what an entry says, entries loaded from
-a JSON file (the tuning probe's output, `benchmarks/bench_e2e.py --decode-configs`) are validated with errors naming
-the file and entry -- and the heuristics for calls without one (split rule, stages, whole-K, sliced, wgmma), scored on
-the committed H200 sweeps.
+"""Which kernel and knobs a GEMM call runs (engine/kernels/decode_plan.py): the decode policy's measured configs
+(`engine/kernels/configs/<device>.json`) -- every entry is one the kernels accept, the dispatch runs what an entry
+says, entries loaded from a JSON file (`benchmarks/bench_e2e.py --decode-configs`) are validated with errors naming
+the file and entry -- and the policy's rules for calls without one (split rule, stages, whole-K, sliced, wgmma), scored
+on the committed H200 sweeps.
 
 Markers: none (CPU: kernels stood in by recorders); `gpu` + `interpreter` (an entry dispatched, on the GPU and on CPU
 tensors under TRITON_INTERPRET=1); `interpreter` alone (every committed entry's knob set at the interpreter's
@@ -11,6 +11,7 @@ tolerance); `gpu` (each entry for this GPU on its real shape).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,12 +30,12 @@ from tests.engine.kernels.gemm.common import zero_operands as _operands
 GEMM_TOL = TOL[torch.float32]
 
 
-@pytest.mark.parametrize("key", sorted(P.DECODE_CONFIGS))
+@pytest.mark.parametrize("key", sorted(P.DEFAULT_POLICY.decode_configs))
 def test_every_table_entry_is_runnable(key):
     """Only known knobs; a whole-K entry plans for the largest M of its tile (BM rows) with its default stages; a
     split-K entry's block_n divides the 128-row scale blocks and its split count leaves no split empty."""
     _, n, k, bm = key
-    knobs = P.DECODE_CONFIGS[key]
+    knobs = P.DEFAULT_POLICY.decode_configs[key]
     assert set(knobs) <= set(P.DECODE_KNOBS)
     assert all(P._KNOB_VALUES[name][0](v) for name, v in knobs.items())  # what an entry file may hold, too
     bn = knobs.get("block_n") or P._tiles(bm)[1]
@@ -72,7 +73,6 @@ def test_batch64_entries_dispatch(monkeypatch):
 
     split = Launch()
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands(m=40, n=28672, k=4096)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     grid, _, meta = split.calls[-1]
@@ -85,8 +85,8 @@ def test_batch64_entries_dispatch(monkeypatch):
 
 
 def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
-    """A file's entries are added to DECODE_CONFIGS (replacing a measured one with the same key) and returned."""
-    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
+    """A file's entries, added to a policy (`with_configs`), replace a measured one with the same key for the run;
+    the default policy keeps the shipped entry."""
     rows = [dict(device="NVIDIA H200", n=4096, k=4096, bm=64, knobs=dict(split_k=2, block_n=64, num_warps=8)),
             dict(device="Other GPU", n=512, k=1024, bm=16, knobs=dict(whole_k=2))]
     path = tmp_path / "entries.json"
@@ -94,11 +94,14 @@ def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
     got = P.load_decode_configs(str(path))
     assert got == {("NVIDIA H200", 4096, 4096, 64): dict(split_k=2, block_n=64, num_warps=8),
                    ("Other GPU", 512, 1024, 16): dict(whole_k=2)}
-    assert P.DECODE_CONFIGS[("NVIDIA H200", 4096, 4096, 64)] == dict(split_k=2, block_n=64, num_warps=8)
-    assert P.load_decode_configs(str(path), apply=False) == got
+    policy = P.DEFAULT_POLICY.with_configs(got)
+    assert policy.decode_configs[("NVIDIA H200", 4096, 4096, 64)] == dict(split_k=2, block_n=64, num_warps=8)
+    assert P.DEFAULT_POLICY.decode_configs[("NVIDIA H200", 4096, 4096, 64)] == dict(whole_k=4, block_n=64)
     _h200(monkeypatch)
-    assert P._decode_knobs(33, 4096, 4096, torch.device("cpu"), {}) == dict(split_k=2, block_n=64, num_warps=8)
-    assert P._decode_knobs(33, 4096, 4096, torch.device("cpu"), dict(split_k=1)) == dict(split_k=1)
+    cpu = torch.device("cpu")
+    assert P._decode_knobs(33, 4096, 4096, cpu, {}, policy) == dict(split_k=2, block_n=64, num_warps=8)
+    assert P._decode_knobs(33, 4096, 4096, cpu, dict(split_k=1), policy) == dict(split_k=1)
+    assert P._decode_knobs(33, 4096, 4096, cpu, {}) == dict(whole_k=4, block_n=64)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -121,17 +124,13 @@ def test_loaded_entries_replace_the_table_for_the_run(tmp_path, monkeypatch):
     ('[{"device": "g", "n": 1, "k": 2, "bm": 16, "knobs": {"sliced": 3}}]', "sliced=3; use false, 2, 4 or 8"),
 ])
 def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle):
-    """Each malformed file is refused with its path and what is wrong (entry index, key, value); nothing of it is
-    applied."""
-    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
-    before = dict(P.DECODE_CONFIGS)
+    """Each malformed file is refused with its path and what is wrong (entry index, key, value)."""
     path = tmp_path / "bad.json"
     if text is not None:
         path.write_text(text)
     with pytest.raises(ValueError) as err:
         P.load_decode_configs(str(path))
     assert str(path) in str(err.value) and needle in str(err.value)
-    assert P.DECODE_CONFIGS == before
 
 
 @pytest.mark.parametrize("tiles, steps, splits", [(32, 16, 4), (64, 32, 2), (96, 32, 2), (128, 32, 1), (224, 56, 1),
@@ -139,7 +138,7 @@ def test_bad_entry_files_are_refused_by_name(tmp_path, monkeypatch, text, needle
 def test_split_rule_fills_the_sms_once(monkeypatch, tiles, steps, splits):
     """The heuristic splits K until the programs about fill 132 SMs (0.9 per SM), keeping >= 4 steps per split and
     at most 16 splits. The MX kernel by its own sweep: 2 per SM and at least 2 splits at BM 16, 1.5 per SM at BM 32."""
-    assert P._split_k(tiles, steps, 132, P.SPLIT_FILL) == splits
+    assert P._split_k(tiles, steps, 132, P.DEFAULT_POLICY.split_fill) == splits
     assert P.mx_split_k(64, 32, 132, 16) == 8 and P.mx_split_k(96, 32, 132, 16) == 4  # 4096 / 6144 rows
     assert P.mx_split_k(448, 32, 132, 16) == 2  # 28672 rows: 2 per SM alone gives one split, 7-13% slower
     assert P.mx_split_k(448, 7, 132, 16) == 1  # ... but not below 4 chunks per split
@@ -158,8 +157,7 @@ def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
     assert P._heuristic_whole_k(64, 2048, cuda) == dict(whole_k=4, block_n=32)
     assert P._heuristic_whole_k(32, 4096, cuda) == {} and P._heuristic_whole_k(65, 4096, cuda) == {}
     assert P._heuristic_whole_k(48, 4096, torch.device("cpu")) == {}
-    monkeypatch.setattr(P, "WHOLE_K_AT_BM64", False)
-    assert P._heuristic_whole_k(48, 4096, cuda) == {}
+    assert P._heuristic_whole_k(48, 4096, cuda, dataclasses.replace(P.DEFAULT_POLICY, whole_k_at_bm64=False)) == {}
 
 
 @pytest.mark.parametrize("opt_out", [{}, {"sliced": False}, {"wgmma": False}, {"sliced": False, "wgmma": False}])
@@ -167,7 +165,7 @@ def test_heuristic_whole_k_only_for_64_row_tiles_on_cuda(monkeypatch):
 def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
     """Without knobs or entry, a 48-row call runs the heuristic's whole-K kernel; where it cannot run, the split rule
     (not one split, as for an explicit whole_k). Opting out of the sliced or wgmma kernels changes neither."""
-    monkeypatch.setattr(P, "_heuristic_whole_k", lambda m, n, d: dict(whole_k=4, block_n=64) if m > 32 else {})
+    monkeypatch.setattr(P, "_heuristic_whole_k", lambda m, n, d, policy=None: dict(whole_k=4, block_n=64) if m > 32 else {})
     monkeypatch.setattr(GW, "usable", lambda *a: usable)
     monkeypatch.setattr(P, "sm_count", lambda device: 132)
     monkeypatch.setattr(GF, "sm_count", lambda device: 132)
@@ -175,7 +173,6 @@ def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands(m=48, n=512, k=4096)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
     if usable:
@@ -204,18 +201,18 @@ def test_wgmma_plan_keeps_its_rule(m, nk):
     fewest = -(-kb // GW.MAX_GROUPS)  # these shapes' fewest splits the 128-group scale table allows
     assert GW.split_plan(kb, splits, gps)[0] == splits
     assert GW.plan_error(m, n, k, 64, stages or GW.swap_stages(m, kb, splits, gps), gps, splits, True) is None
-    if tiles >= P.WGMMA_RULE_WIDE * 132:
+    if tiles >= P.DEFAULT_POLICY.wgmma_wide * 132:
         assert splits == fewest
     else:
-        assert splits == fewest or splits <= P.WGMMA_RULE_MAX_SPLITS
-        ok = [s for s in range(fewest, max(fewest, P.WGMMA_RULE_MAX_SPLITS) + 1)
+        assert splits == fewest or splits <= P.DEFAULT_POLICY.wgmma_max_splits
+        ok = [s for s in range(fewest, max(fewest, P.DEFAULT_POLICY.wgmma_max_splits) + 1)
               if GW.split_plan(kb, s, 2)[0] == s and (s == 1 or -(-kb // s) >= 4)]
         if rows == 8:
-            ok = [s for s in ok if s == fewest or kb / s >= P.WGMMA_RULE_MIN_GROUPS8]
-            assert splits in ok and (splits == fewest or tiles * splits <= P.WGMMA_RULE_FILL8 * 132)
-            assert all(tiles * s > P.WGMMA_RULE_FILL8 * 132 for s in ok if s > splits)
+            ok = [s for s in ok if s == fewest or kb / s >= P.DEFAULT_POLICY.wgmma_min_groups8]
+            assert splits in ok and (splits == fewest or tiles * splits <= P.DEFAULT_POLICY.wgmma_fill8 * 132)
+            assert all(tiles * s > P.DEFAULT_POLICY.wgmma_fill8 * 132 for s in ok if s > splits)
         else:
-            ok = [s for s in ok if s == fewest or kb / s >= P.WGMMA_RULE_MIN_GROUPS]
+            ok = [s for s in ok if s == fewest or kb / s >= P.DEFAULT_POLICY.wgmma_min_groups]
             fill = lambda s: tiles * s / (132 * -(-tiles * s // 132))
             assert splits in ok and all(fill(s) < fill(splits) - 1e-9 if s < splits else fill(s) <= fill(splits) + 1e-9
                                         for s in ok)
@@ -223,7 +220,7 @@ def test_wgmma_plan_keeps_its_rule(m, nk):
         assert stages is not None and gps == (2 if rows == 8 else 4) or stages is not None and gps == 2
         per = GW.split_plan(kb, splits, gps)[1]
         deeper = stages + 1
-        assert deeper > P.WGMMA_RULE_MAX_STAGES or deeper > -(-per // gps) or \
+        assert deeper > P.DEFAULT_POLICY.wgmma_max_stages or deeper > -(-per // gps) or \
             GW.plan_error(m, n, k, 64, deeper, gps, splits, True) is not None
     else:
         assert (gps, stages) == (2, None)
@@ -246,12 +243,12 @@ def test_wgmma_plan_examples(monkeypatch):
     assert P.wave_fill(240, 132) == pytest.approx(240 / 264) and P.wave_fill(128, 132) == P.wave_fill(256, 132)
     assert P.wgmma_plan(1, 4096, 4096, 132) is None and P.wgmma_plan(33, 4096, 4096, 132) is None
     assert P.wgmma_plan(8, 200, 1000, 132) is None  # K % 16
-    monkeypatch.setattr(P, "WGMMA_RULE_FILL8", 1.0)  # the memo is keyed by the rule's constants too
-    assert P.wgmma_plan(4, 4096, 7168, 132)[0] == 2
+    fill8 = dataclasses.replace(P.DEFAULT_POLICY, wgmma_fill8=1.0)  # the memo is keyed by the rule's constants too
+    assert P.wgmma_plan(4, 4096, 7168, 132, fill8)[0] == 2 and P.wgmma_plan(4, 4096, 7168, 132)[0] == 4
 
 
 def test_heuristic_wgmma_only_on_sm90_cuda(monkeypatch):
-    """The rule's knobs on an sm_90 CUDA device while WGMMA_RULE; nothing on the CPU, on other GPUs, with the switch
+    """The rule's knobs on an sm_90 CUDA device while the policy's wgmma_rule; nothing on the CPU, on other GPUs, with the switch
     off, or without a plan (M = 1 / above 32 rows)."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(P, "sm_count", lambda device: 132)
@@ -261,9 +258,7 @@ def test_heuristic_wgmma_only_on_sm90_cuda(monkeypatch):
     assert P._heuristic_wgmma(16, 28672, 4096, cuda) == dict(wgmma=2, split_k=1, block_n=64)
     assert P._heuristic_wgmma(1, 4096, 7168, cuda) == {} and P._heuristic_wgmma(40, 4096, 7168, cuda) == {}
     assert P._heuristic_wgmma(16, 4096, 7168, torch.device("cpu")) == {}
-    monkeypatch.setattr(P, "WGMMA_RULE", False)
-    assert P._heuristic_wgmma(16, 4096, 7168, cuda) == {}
-    monkeypatch.setattr(P, "WGMMA_RULE", True)
+    assert P._heuristic_wgmma(16, 4096, 7168, cuda, dataclasses.replace(P.DEFAULT_POLICY, wgmma_rule=False)) == {}
     monkeypatch.setattr(P, "_sm90", lambda index: False)
     assert P._heuristic_wgmma(16, 4096, 7168, cuda) == {}
 
@@ -274,7 +269,7 @@ def test_heuristic_wgmma_dispatch_and_fallback(monkeypatch, usable, opt_out):
     """Without knobs or entry, a 12-row call runs the rule's wgmma plan (splits, groups per stage, stages); where the
     kernel cannot run, or with wgmma=False, the split rule's own split-K call (its split count, not the plan's)."""
     plan = dict(wgmma=4, split_k=3, block_n=64, num_stages=5)
-    monkeypatch.setattr(P, "_heuristic_wgmma", lambda m, n, k, d: dict(plan) if m <= 32 else {})
+    monkeypatch.setattr(P, "_heuristic_wgmma", lambda m, n, k, d, policy=None: dict(plan) if m <= 32 else {})
     monkeypatch.setattr(GW, "usable", lambda *a: usable)
     monkeypatch.setattr(P, "sm_count", lambda device: 132)
     monkeypatch.setattr(GF, "sm_count", lambda device: 132)
@@ -282,7 +277,6 @@ def test_heuristic_wgmma_dispatch_and_fallback(monkeypatch, usable, opt_out):
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw.get("splits"), kw.get("swap"))))
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     monkeypatch.setattr(GF, "_launch_sliced", lambda *a, **kw: split.calls.append(("sliced", a, kw)))
     x, xs, w, ws = _operands(m=12, n=512, k=4096)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
@@ -318,7 +312,7 @@ def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
 
     sms, rows = E.read_sweep(E.DEFAULT)
     assert sms == 132 and len(rows) == 63
-    now = E.score(sms, rows, P.SPLIT_FILL, P.WHOLE_K_AT_BM64)
+    now = E.score(sms, rows, P.DEFAULT_POLICY.split_fill, P.DEFAULT_POLICY.whole_k_at_bm64)
     old = E.score(sms, rows, 2.0, False)
     assert all(g < 1.06 for g in now["geo"].values()) and now["worst"][0] < 1.4
     assert old["geo"]["all"] > 1.2 > now["geo"]["all"] * 1.1
@@ -345,12 +339,6 @@ def test_rule_evals_refuse_other_files(tmp_path, module, reader, cases):
             read(bad)
 
 
-def test_autotuner_keeps_split_counts_apart():
-    """The split-K kernel's autotuner caches a pipeline depth per (N, K, BM, BN, partials, split count): a call that
-    gives only split_k is tuned for its own split count, not served another's stages."""
-    assert GF._fp8_block_gemm_tuned.keys == ["N", "K", "BM", "BN", "USE_PART", "n_splits"]
-
-
 @pytest.mark.parametrize("programs,stages", [(1, 6), (132, 6), (133, 4), (264, 4), (265, 3), (2004, 3)])
 def test_decode_stages_by_programs_per_sm(programs, stages):
     """The pipeline depth of decode calls without an entry: 6 stages up to one program per SM, 4 up to two, then 3."""
@@ -358,7 +346,7 @@ def test_decode_stages_by_programs_per_sm(programs, stages):
 
 
 def test_decode_stage_choice_defaults_to_the_rule():
-    assert P.DECODE_STAGE_CHOICE == "rule" and P._decode_stages(10, 0) == 3  # no SM count: treated as one SM
+    assert P._decode_stages(10, 0) == 3  # no SM count: treated as one SM
 
 
 def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
@@ -367,7 +355,7 @@ def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
     ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails here."""
     from benchmarks import stage_rule_eval as E
 
-    fit, check = (E.score(*E.read_probe(path), P.DECODE_STAGES) for path in E.DEFAULT)
+    fit, check = (E.score(*E.read_probe(path), P.DEFAULT_POLICY.decode_stages) for path in E.DEFAULT)
     assert fit["points"] == 48 and check["points"] == 36
     assert fit["rule"][0] < 1.01 and fit["rule"][1] < 1.06 and check["rule"][0] < 1.03
     assert fit["rule"][0] < fit["auto"][0] and check["rule"][0] < check["auto"][0]
@@ -416,49 +404,45 @@ def test_the_mx_split_rule_scores_as_measured_on_the_committed_sweep():
 
 
 def test_sliced_auto_rule_and_knob(monkeypatch):
-    """Split-K calls run as the sliced kernel on CUDA only with 2 / 4 splits of 64-row tiles, 4 warps, no cluster, and
-    M <= 16 / splits (the slices' activation columns within the split-K kernel's 16); sliced=False or SLICED_AUTO off
-    keep split-K. sliced=False alone still takes the shape's DECODE_CONFIGS entry; an entry file may say
-    "sliced": false or a slice count."""
+    """Split-K calls run as the sliced kernel on CUDA only with 2 / 4 splits of 64-row tiles, 4 warps, and M <= 16 /
+    splits (the slices' activation columns within the split-K kernel's 16); sliced=False or a policy with sliced_auto
+    off keep split-K. sliced=False alone still takes the shape's decode entry; an entry file may say "sliced": false
+    or a slice count."""
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
     assert P._sliced_instead(cuda, 4, 4, 64, 4, {}) and P._sliced_instead(cuda, 8, 2, 64, 4, {})
     assert P._sliced_instead(cuda, 1, 4, 64, 4, {"fused_reduce": True})
     for x, m, splits, bn, warps, cfg in ((cpu, 4, 4, 64, 4, {}), (cuda, 5, 4, 64, 4, {}), (cuda, 16, 2, 64, 4, {}),
                                          (cuda, 2, 8, 64, 4, {}), (cuda, 4, 1, 64, 4, {}), (cuda, 4, 4, 32, 4, {}),
-                                         (cuda, 4, 4, 64, 8, {}), (cuda, 4, 4, 64, 4, {"cluster": True}),
-                                         (cuda, 4, 4, 64, 4, {"sliced": False})):
+                                         (cuda, 4, 4, 64, 8, {}), (cuda, 4, 4, 64, 4, {"sliced": False})):
         assert not P._sliced_instead(x, m, splits, bn, warps, cfg), (m, splits, bn, warps, cfg)
-    monkeypatch.setattr(P, "SLICED_AUTO", False)
-    assert not P._sliced_instead(cuda, 4, 4, 64, 4, {})
+    assert not P._sliced_instead(cuda, 4, 4, 64, 4, {}, dataclasses.replace(P.DEFAULT_POLICY, sliced_auto=False))
     key = ("NVIDIA H200", 4096, 14336, 16)
     monkeypatch.setattr(P, "_device_name", lambda *a: "NVIDIA H200")
     got = P._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=False))
-    assert got == dict(P.DECODE_CONFIGS[key], sliced=False)
+    assert got == dict(P.DEFAULT_POLICY.decode_configs[key], sliced=False)
     assert P._decode_knobs(4, 4096, 14336, torch.device("cpu"), dict(sliced=4)) == dict(sliced=4)
 
 
 def test_entry_files_take_the_sliced_knob(tmp_path, monkeypatch):
     """An entry file may pin a shape to split-K ("sliced": false) or to the sliced kernel (a slice count)."""
-    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(split_k=4, sliced=False)),
                                 dict(device="g", n=6144, k=4096, bm=16, knobs=dict(sliced=4, block_n=32))]))
     got = P.load_decode_configs(str(path))
     assert got == {("g", 4096, 4096, 16): dict(split_k=4, sliced=False),
                    ("g", 6144, 4096, 16): dict(sliced=4, block_n=32)}
-    assert P.DECODE_CONFIGS[("g", 6144, 4096, 16)] == dict(sliced=4, block_n=32)
+    assert P.DEFAULT_POLICY.with_configs(got).decode_configs[("g", 6144, 4096, 16)] == dict(sliced=4, block_n=32)
 
 
 def test_wgmma_knob_dispatch(monkeypatch):
     """wgmma=True: one launch of the swapped wgmma kernel (64-row weight tiles) with the given or the rule's split
     count and `swap_stages` (or the given stages), no split-K launch; not usable here: the split-K kernel with the same
-    split count; block_n other than 64 is refused by name. A DECODE_CONFIGS entry with the knob dispatches the same
+    split count; block_n other than 64 is refused by name. A decode entry with the knob dispatches the same
     way, and wgmma=False alone keeps the entry's split count on the split-K kernel."""
     launched, split = [], Launch()
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append((a[-3:], kw)))
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     monkeypatch.setattr(SK, "_splitk_reduce_kernel", Launch())
     x, xs, w, ws = _operands(m=4)  # N 256, K 1024: 8 groups
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
@@ -473,10 +457,10 @@ def test_wgmma_knob_dispatch(monkeypatch):
     assert len(launched) == 2 and len(split.calls) == 1 and split.calls[0][0][2] == 2
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     key = (P._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
-    monkeypatch.setitem(P.DECODE_CONFIGS, key, dict(wgmma=True, split_k=2, block_n=64))
-    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    policy = P.DEFAULT_POLICY.with_configs({key: dict(wgmma=True, split_k=2, block_n=64)})
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, policy=policy)
     assert len(launched) == 3 and launched[-1][1]["splits"] == 2
-    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, wgmma=False)
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, wgmma=False, policy=policy)
     assert len(launched) == 3 and len(split.calls) == 2 and split.calls[-1][0][2] == 2
 
 
@@ -496,7 +480,6 @@ def test_swap_stages_keep_two_programs_per_sm(m, kb, splits):
 
 def test_entry_files_take_the_wgmma_knob(tmp_path, monkeypatch):
     """An entry file may select the wgmma kernel (true or 2 / 4 groups per stage) or keep a shape off it (false)."""
-    monkeypatch.setattr(P, "DECODE_CONFIGS", dict(P.DECODE_CONFIGS))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps([dict(device="g", n=4096, k=4096, bm=16, knobs=dict(split_k=2, wgmma=4)),
                                 dict(device="g", n=6144, k=4096, bm=16, knobs=dict(split_k=4, wgmma=False))]))
@@ -511,26 +494,25 @@ def test_entry_files_take_the_wgmma_knob(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.interpreter
 def test_decode_configs_entry_is_dispatched(monkeypatch):
-    """fp8_block_linear runs a DECODE_CONFIGS entry for (device, N, K, BM) exactly as the explicit knobs do."""
+    """fp8_block_linear runs the policy's decode entry for (device, N, K, BM) exactly as the explicit knobs do."""
     xd, xs, wd, ws = block_operands(3, 256, 640, seed=20)
     dev = xd.device
     key = (P._device_name(dev.type, dev.index), 256, 640, 16)
     cfg = dict(split_k=3, block_n=32, num_warps=4, num_stages=2, fused_reduce=True)
-    monkeypatch.setitem(P.DECODE_CONFIGS, key, cfg)
-    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    policy = P.DEFAULT_POLICY.with_configs({key: cfg})
+    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32, policy=policy)
     explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **cfg)
     assert torch.equal(tuned, explicit)
-    monkeypatch.delitem(P.DECODE_CONFIGS, key)
     default = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
     assert rel(default, tuned) < GEMM_TOL
 
 
 def _measured_entries():
-    """The DECODE_CONFIGS entries measured on this GPU ([] without CUDA: collection must not touch a device)."""
+    """The decode entries measured on this GPU ([] without CUDA: collection must not touch a device)."""
     if not torch.cuda.is_available():
         return []
     name = P._device_name("cuda", torch.cuda.current_device())
-    return sorted(key for key in P.DECODE_CONFIGS if key[0] == name)
+    return sorted(key for key in P.DEFAULT_POLICY.decode_configs if key[0] == name)
 
 
 @pytest.mark.gpu
@@ -545,18 +527,18 @@ def test_measured_decode_configs_entry_on_its_shape(key):
         got = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
         ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
         assert torch.isfinite(got).all() and rel(got, ref) < GEMM_TOL, (key, m)
-        explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **P.DECODE_CONFIGS[key])
+        explicit = G.fp8_block_gemm_triton(xd, xs, wd, ws, out_dtype=torch.float32, **P.DEFAULT_POLICY.decode_configs[key])
         assert torch.equal(got, explicit), (key, m)
 
 
 @pytest.mark.interpreter
 def test_every_committed_knob_set_runs_exactly():
-    """The knobs of every committed `DECODE_CONFIGS` entry (each distinct set once, at a row count whose tile is the
+    """The knobs of every committed decode entry (each distinct set once, at a row count whose tile is the
     entry's; whole-K / wgmma entries run their split-K fallback here, as off the H200; num_stages / num_warps, which
     change nothing under the interpreter, left out of what makes a set distinct) on 136 x 1408 (11 groups: uneven
     splits for split_k 2 / 4 / 8; N off every tile), within 1e-5 of the float64 reference."""
     seen = set()
-    for (_, n, k, bm), knobs in P.DECODE_CONFIGS.items():
+    for (_, n, k, bm), knobs in P.DEFAULT_POLICY.decode_configs.items():
         key = (bm, tuple(sorted((name, v) for name, v in knobs.items() if name not in ("num_stages", "num_warps"))))
         if key in seen:
             continue

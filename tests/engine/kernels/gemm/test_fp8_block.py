@@ -1,7 +1,7 @@
 """The FP8 GEMMs of engine/kernels/gemm.py on block-scaled (e4m3:1x128 x e4m3:128x128) and per-tensor operands: the
 Triton split-K kernel (decode tiles up to M = 64, 128x128 tiles above), the sliced kernel (split-K inside one
 program), the M = 1 CUDA-core GEMV, the cuBLAS blockwise path, against their float64 references (tolerances:
-tests/engine/kernels/gemm/common.py). The split-K reduce (fused, cluster) has its own module, test_split_k_reduce.py.
+tests/engine/kernels/gemm/common.py). The split-K reduce (fused) has its own module, test_split_k_reduce.py.
 
 Markers: `gpu` (skipped without CUDA); `gpu` + `interpreter` also run on CPU tensors under TRITON_INTERPRET=1, with
 the smaller cases of `by_device` (the same tiles, tails and splits); `interpreter` alone: checks at the interpreter's
@@ -12,6 +12,8 @@ K = 640 / 896 / 1152 while `fp8_block_linear` stays within tolerance.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -214,7 +216,7 @@ def test_sliced_kernel_is_split_k(G, GF, mnk):
 
 
 @pytest.mark.gpu
-def test_sliced_auto_takes_small_m_split_k_calls(G, GF, monkeypatch):
+def test_sliced_auto_takes_small_m_split_k_calls(G, GF, P, monkeypatch):
     """On the GPU, split-K calls with 2 / 4 splits of 64-row tiles and M <= 16 / splits run the sliced kernel with the
     split-K plan's K partition (counted), the same bits as split-K (sliced=False); M above that, 8 splits, 32-row
     tiles and sliced=False stay on split-K."""
@@ -230,19 +232,19 @@ def test_sliced_auto_takes_small_m_split_k_calls(G, GF, monkeypatch):
         want = G.fp8_block_gemm_triton(xd[:m], xs[:m], wd, ws, out_dtype=torch.float32, **dict(kw, sliced=False))
         assert calls == ([slices] if slices else []), (m, kw)
         assert torch.equal(got, want), (m, kw)
-    monkeypatch.setattr(P, "SLICED_AUTO", False)
     calls.clear()
-    G.fp8_block_gemm_triton(xd[:4], xs[:4], wd, ws, out_dtype=torch.float32, split_k=4)
+    G.fp8_block_gemm_triton(xd[:4], xs[:4], wd, ws, out_dtype=torch.float32, split_k=4,
+                            policy=dataclasses.replace(P.DEFAULT_POLICY, sliced_auto=False))
     assert calls == []
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (200, 1000), (136, 320)])
-def test_m1_runs_the_cuda_core_gemv(G, GF, nk, monkeypatch):
+def test_m1_runs_the_cuda_core_gemv(G, GF, P, nk, monkeypatch):
     """M = 1 without knobs runs `_fp8_gemv_kernel` (counted): within TOL of the float64 reference with and without
     bias, in bf16 / fp32 / bf16-rounded fp32 (bit for bit the bf16 output widened), fp32 output within 1e-4
     (exact products, fp32 sums; the MMA kernel's bound is TOL), deterministic; N and K tails (200 x 1000)
-    masked; GEMV_M1 = False restores the split-K kernel."""
+    masked; a policy with gemv_m1=False restores the split-K kernel."""
     n, k = nk
     xd, xs, wd, ws = block_operands(1, n, k, seed=n + k)
     bias = torch.randn(n, device=DEV)
@@ -263,14 +265,14 @@ def test_m1_runs_the_cuda_core_gemv(G, GF, nk, monkeypatch):
         mma = G.fp8_block_gemm_triton(xd, xs, wd, ws, b, out_dtype=torch.float32, split_k=2)
         assert rel(f32, r) <= 1e-4 and rel(mma, r) <= TOL[torch.float32]
     assert len(calls) == 8
-    monkeypatch.setattr(P, "GEMV_M1", False)
-    G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32,
+                       policy=dataclasses.replace(P.DEFAULT_POLICY, gemv_m1=False))
     assert len(calls) == 8
 
 
 @pytest.mark.gpu
 def test_gemv_configs_entry_is_dispatched(G, P, GF, monkeypatch):
-    """M = 1 runs a GEMV_CONFIGS entry for (device, N, K) exactly as `_launch_gemv` with those knobs; other knobs
+    """M = 1 runs the policy's GEMV entry for (device, N, K) exactly as `_launch_gemv` with those knobs; other knobs
     stay within 1e-4 of the reference (exact products, fp32 sums in another order)."""
     xd, xs, wd, ws = block_operands(1, 384, 1536, seed=7)
     dev = xd.device
@@ -278,8 +280,9 @@ def test_gemv_configs_entry_is_dispatched(G, P, GF, monkeypatch):
     seen = []
     real = GF._launch_gemv
     monkeypatch.setattr(GF, "_launch_gemv", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    monkeypatch.setitem(P.GEMV_CONFIGS, (P._device_name(dev.type, dev.index), 384, 1536), cfg)
-    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    key = (P._device_name(dev.type, dev.index), 384, 1536)
+    policy = dataclasses.replace(P.DEFAULT_POLICY, gemv_configs={**P.DEFAULT_POLICY.gemv_configs, key: cfg})
+    tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32, policy=policy)
     assert seen[-1] == cfg
     explicit = torch.empty_like(tuned)
     real(xd, xs, xs.stride(), wd, ws, ws.stride(), None, explicit, False, **cfg)

@@ -1,11 +1,9 @@
-"""The split-K reduce of engine/kernels/gemm.py: the fused reduce (the last split of each tile sums the partials,
-`_last_split_reduce`) and the cluster reduce (the splits of a tile as one thread-block cluster, partials summed through
-distributed shared memory, `_cluster_reduce`) give the bits of the reduce kernel (`_splitk_reduce_kernel`).
+"""The split-K reduce of engine/kernels/splitk.py: the fused reduce (the last split of each tile sums the partials,
+`_last_split_reduce`) gives the bits of the reduce kernel (`_splitk_reduce_kernel`).
 
-* Host side (CPU, no kernel launched): the counter buffer, when a call takes which reduce, the burst rule, the
-  cluster rules and launch metadata.
+* Host side (CPU, no kernel launched): the counter buffer, when a call takes which reduce, the burst rule.
 * Kernels: `gpu` + `interpreter` tests also run on CPU tensors under TRITON_INTERPRET=1 (fewer split counts there,
-  `by_device`: still full and short bursts of 4 and 2 partials); the cluster reduce and CUDA graphs need the GPU.
+  `by_device`: still full and short bursts of 4 and 2 partials); CUDA graphs need the GPU.
 """
 
 from __future__ import annotations
@@ -108,84 +106,6 @@ def test_unsplit_call_uses_no_counters(fresh, monkeypatch):
     assert meta["FUSED_REDUCE"] is False and meta["USE_PART"] is False and not SK._COUNTERS
 
 
-# ------------------------------------------------------------------------------------------ cluster reduce
-def test_cluster_knob_falls_back_to_the_counters_off_cuda(fresh, monkeypatch):
-    """cluster=True where clusters cannot run (here: the CPU) is the fused reduce: same bits, the normal launch."""
-    kern = Launch()
-    monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", kern)
-    monkeypatch.setattr(GF.cl, "launch", lambda *a, **kw: pytest.fail("no cluster launch off CUDA"))
-    x, xs, w, ws = _operands()
-    G.fp8_block_gemm_triton(x, xs, w, ws, out_dtype=torch.float32, split_k=4, block_n=64, num_warps=4,
-                                num_stages=3, fused_reduce=True, cluster=True)
-    (grid, _, meta), = kern.calls
-    assert grid == (4, 1, 4) and meta["FUSED_REDUCE"] is True and "CLUSTER" not in meta
-
-
-class _FakeCuda:
-    """What `_cluster_ok` reads of an operand on a CUDA device."""
-    is_cuda = True
-    device = torch.device("cuda", 0)
-
-
-@pytest.mark.parametrize("splits,bn,ok", [(2, 64, True), (4, 64, True), (8, 16, True), (8, 128, True),
-                                          (1, 64, False), (3, 64, False), (16, 64, False), (16, 128, False)])
-def test_cluster_rules(monkeypatch, splits, bn, ok):
-    """Portable cluster sizes 2 / 4 / 8 only (a single split needs no reduce; 16 is non-portable)."""
-    monkeypatch.setattr(GF.cl, "supported", lambda index: True)
-    assert GF._cluster_ok(_FakeCuda(), splits, bn) is ok
-    monkeypatch.setattr(GF.cl, "supported", lambda index: False)  # before sm_90
-    assert GF._cluster_ok(_FakeCuda(), splits, bn) is False
-
-
-def test_cluster_dispatch_passes_every_kernel_argument(fresh, monkeypatch):
-    """The cluster launch names every argument of the real kernel (the launcher passes them by position), asks for
-    clusters of `splits` CTAs over (N tiles, M tiles) with BN x BM fp32 of reduce region each, and allocates neither
-    partials nor counters."""
-    calls = []
-    monkeypatch.setattr(GF, "_cluster_ok", lambda x, splits, bn: True)
-    monkeypatch.setattr(GF.cl, "launch", lambda *a, **kw: calls.append((a, kw)))
-    x, xs, w, ws = _operands(m=20, n=320, k=1920)
-    out = G.fp8_block_gemm_triton(x, xs, w, ws, bias=torch.ones(320), out_dtype=torch.bfloat16, split_k=8,
-                                      block_n=32, num_warps=4, num_stages=5, cluster=True)
-    ((kernel, grid, size, region, args), opts), = calls
-    assert kernel is GF._fp8_block_gemm_kernel and set(args) == set(kernel.arg_names)
-    assert grid == (10, 1) and size == 8 and region == 32 * 32 * 4 and opts == dict(num_warps=4, num_stages=5)
-    assert args["CLUSTER"] == 8 and args["groups_per_split"] == 2 and args["n_splits"] == 8
-    assert args["out_ptr"] is args["part_ptr"] and args["HAS_BIAS"] is True and args["FUSED_REDUCE"] is False
-    assert out.shape == (20, 320) and not SK._COUNTERS
-
-
-class _Compiled:
-    """Stands in for a Triton CompiledKernel."""
-
-    def __init__(self, shared):
-        self.metadata = type("Meta", (), {"shared": shared, "num_warps": 4})()
-        self.function, self.name = 1234, "_fp8_block_gemm_kernel"
-        self.packed_metadata = (4, 1, shared)
-
-    def _init_handles(self):
-        pass
-
-
-def test_prepare_rewrites_the_launch_metadata_once(monkeypatch):
-    """Clusters of `size` CTAs with the kernel's shared memory (rounded to 16 B) plus the region; checked against the
-    device's occupancy once per compiled kernel; a cluster that does not fit is a clear error."""
-    from engine.kernels import cluster as cl
-
-    asked = []
-    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: asked.append((fn, shared, size)) or 7)
-    c = _Compiled(51208)
-    cl._prepare(c, 4, 4096)
-    assert c.packed_metadata == (4, 4, 51216 + 4096) and asked == [(1234, 55312, 4)] and c._engine_max_clusters == 7
-    cl._prepare(c, 4, 4096)
-    assert len(asked) == 1
-    cl._prepare(c, 8, 4096)  # another cluster size: asked again
-    assert c.packed_metadata == (4, 8, 55312) and len(asked) == 2
-    monkeypatch.setattr(cl, "_occupancy", lambda fn, shared, size: 0)
-    with pytest.raises(RuntimeError, match="cluster of 8 CTAs of _fp8_block_gemm_kernel with 232448 B"):
-        cl._prepare(_Compiled(228352), 8, 4096)
-
-
 # ------------------------------------------------------------------ the kernels
 @pytest.mark.gpu
 @pytest.mark.interpreter
@@ -270,57 +190,11 @@ def test_fused_reduce_counters_outgrown_under_a_graph(monkeypatch):
     assert int(small().abs().sum()) == 0 and int(SK._COUNTERS[dev].abs().sum()) == 0
 
 
-@pytest.fixture
-def cluster_launches(monkeypatch):
-    """Cluster sizes of the cluster-reduce launches made during the test (engine.kernels.cluster.launch spied)."""
-    from engine.kernels import cluster as cl
-
-    sizes, real = [], cl.launch
-
-    def spy(kernel, grid, size, region, args, **options):
-        sizes.append(size)
-        return real(kernel, grid, size, region, args, **options)
-
-    monkeypatch.setattr(cl, "launch", spy)
-    return sizes
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
-def test_cluster_reduce_same_bits_as_fused(m, cluster_launches):
-    """The K splits of each tile as one thread-block cluster, reduced through distributed shared memory: the same bits
-    as the fused reduce for 2 / 4 / 8 splits (uneven last splits), 16-128 weight rows per tile, fp32 and bf16 output
-    with bias, and the bf16-rounded fp32 carrier; every call really ran as a cluster."""
-    n, k = 320, 1920  # 15 K groups: every split count leaves a shorter last split; N not a multiple of the tile
-    xd, xs, wd, ws = block_operands(m, n, k, seed=50 + m)
-    bias = randn(n, seed=51)
-    ref = G.fp8_block_linear_reference(xd, xs, wd, ws, bias=bias, out_dtype=torch.float32)
-    cases = 0
-    for bn in (16, 64, 128):
-        for split in (2, 4, 8):
-            for out_dtype in (torch.float32, torch.bfloat16):
-                kw = dict(bias=bias, out_dtype=out_dtype, split_k=split, block_n=bn, num_warps=4, num_stages=3)
-                fused = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
-                clus = G.fp8_block_gemm_triton(xd, xs, wd, ws, cluster=True, **kw)
-                assert torch.equal(clus, fused), (bn, split, out_dtype)
-                cases += 1
-            assert rel(clus, ref) < 1e-2  # bf16 output
-            strides = (xs.stride(0), xs.stride(1)), (ws.stride(0), ws.stride(1))
-            rounded = [GF._launch_fp8(xd, xs, strides[0], wd, ws, strides[1], bias, torch.float32, split, block_n=bn,
-                                     num_warps=4, num_stages=3, round_bf16=True, **{key: True})
-                       for key in ("fused_reduce", "cluster")]
-            assert torch.equal(rounded[1], rounded[0]) and torch.equal(rounded[1], rounded[1].bfloat16().float())
-            cases += 1
-    assert cluster_launches == [s for bn in (16, 64, 128) for s in (2, 4, 8) for _ in range(3)] and cases == 27
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("how", ["fused_reduce", "cluster"])
 @pytest.mark.parametrize("m", [2, 16])
-def test_split_k_reduce_with_nan_and_inf_partials(m, how, cluster_launches):
+def test_split_k_reduce_with_nan_and_inf_partials(m):
     """NaN / Inf in one split's partial sums (a NaN activation, an Inf activation scale) reach the output through the
-    fused reduce and through the cluster reduce exactly as through the reduce kernel; the fused reduce leaves its
-    counters at zero, the cluster reduce really ran in clusters."""
+    fused reduce exactly as through the reduce kernel; the fused reduce leaves its counters at zero."""
     n, k = 256, 1024
     xd, xs, wd, ws = block_operands(m, n, k, seed=30 + m)
     xd = xd.clone()
@@ -330,37 +204,7 @@ def test_split_k_reduce_with_nan_and_inf_partials(m, how, cluster_launches):
     for split in (2, 8):
         kw = dict(out_dtype=torch.float32, split_k=split, block_n=64, num_warps=4, num_stages=3)
         plain = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=False, **kw)
-        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **{how: True}, **kw)
+        got = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **kw)
         assert bool(plain[0].isnan().all()) and not bool(plain[m - 1].isfinite().all())
         torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
-    if how == "cluster":
-        assert cluster_launches == [2, 8]
-    else:
-        assert int(SK._COUNTERS[xd.device].abs().sum()) == 0 and not cluster_launches
-
-
-@pytest.mark.gpu
-def test_cluster_reduce_in_a_graph_with_and_without_pdl(cluster_launches):
-    """Cluster launches captured in a CUDA graph replay to the eager bits, with programmatic dependent launch on and
-    off; the device holds at least one cluster of the kernel."""
-    from engine.kernels import pdl
-
-    xd, xs, wd, ws = block_operands(4, 1024, 4096, seed=70)
-    kw = dict(out_dtype=torch.bfloat16, split_k=4, block_n=64, num_warps=4, num_stages=5, cluster=True)
-    want = G.fp8_block_gemm_triton(xd, xs, wd, ws, fused_reduce=True, **{k_: v for k_, v in kw.items()
-                                                                        if k_ != "cluster"})
-    for on in (True, False):
-        old = pdl.set_enabled(on)
-        try:
-            assert torch.equal(G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw), want)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = G.fp8_block_gemm_triton(xd, xs, wd, ws, **kw)
-            for _ in range(3):
-                got.zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(got, want), on
-        finally:
-            pdl.set_enabled(old)
-    assert cluster_launches == [4] * 4
+    assert int(SK._COUNTERS[xd.device].abs().sum()) == 0

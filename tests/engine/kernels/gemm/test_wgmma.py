@@ -12,6 +12,7 @@ GEMM entry points and its sm_90 machine code without a GPU; its numerics on the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import tempfile
@@ -96,7 +97,6 @@ def test_whole_k_dispatch(monkeypatch):
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
-    monkeypatch.setattr(GF, "_fp8_block_gemm_tuned", split)
     x, xs, w, ws = _operands()
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, whole_k=True)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, block_n=16, num_stages=5,
@@ -110,15 +110,15 @@ def test_whole_k_dispatch(monkeypatch):
 
 
 def test_whole_k_from_a_decode_configs_entry(monkeypatch):
-    """A DECODE_CONFIGS entry holding the knob sends calls without explicit knobs to the whole-K kernel with the
+    """A decode entry of the policy holding the knob sends calls without explicit knobs to the whole-K kernel with the
     entry's tile, stages and groups per stage (the tuner prints every DECODE_KNOBS key, whole_k included)."""
     launched = []
     monkeypatch.setattr(GW, "usable", lambda *a: True)
     monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
     x, xs, w, ws = _operands(m=8)
     key = (P._device_name(x.device.type, x.device.index), w.shape[0], x.shape[1], 16)
-    monkeypatch.setitem(P.DECODE_CONFIGS, key, dict(whole_k=4, block_n=32, num_stages=3))
-    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
+    policy = P.DEFAULT_POLICY.with_configs({key: dict(whole_k=4, block_n=32, num_stages=3)})
+    GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, policy=policy)
     assert launched == [(32, 3, 4)] and "whole_k" in P.DECODE_KNOBS
 
 
@@ -478,8 +478,9 @@ def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
 
 
 def _wgmma_entries():
-    """The H200's DECODE_CONFIGS entries that select the wgmma kernel (read without touching a device)."""
-    return sorted(key for key, knobs in P.DECODE_CONFIGS.items() if key[0] == "NVIDIA H200" and knobs.get("wgmma"))
+    """The H200's decode entries that select the wgmma kernel (read without touching a device)."""
+    return sorted(key for key, knobs in P.DEFAULT_POLICY.decode_configs.items()
+                  if key[0] == "NVIDIA H200" and knobs.get("wgmma"))
 
 
 @pytest.mark.gpu
@@ -488,9 +489,9 @@ def _wgmma_entries():
 def test_every_wgmma_entry_runs_the_kernel_with_split_k_bits(spy, monkeypatch, key):
     """Each H200 wgmma entry (BM 16 and BM 32), at the top and the bottom M of its tile, launches the Gluon kernel
     with the entry's stages (or `swap_stages`), and gives the bits of the split-K kernel over the same K partition."""
-    monkeypatch.setattr(spy, "_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(P, "_device_name", lambda *a: "NVIDIA H200")
     _, n, k, bm = key
-    knobs = spy.DECODE_CONFIGS[key]
+    knobs = P.DEFAULT_POLICY.decode_configs[key]
     gps = knobs["wgmma"] if knobs["wgmma"] in (2, 4) else GW.GPS
     kb = -(-k // 128)
     s_eff, per = GW.split_plan(kb, knobs["split_k"], gps)
@@ -509,18 +510,19 @@ def test_every_wgmma_entry_runs_the_kernel_with_split_k_bits(spy, monkeypatch, k
 @SM90
 @pytest.mark.parametrize("nk", [(1536, 8960), (3584, 4096), (5120, 3072), (8192, 2048), (4096, 7168), (2048, 11008)])
 def test_the_wgmma_rule_runs_shapes_without_an_entry(spy, monkeypatch, nk):
-    """A decode call (M 2-32) on a shape without a DECODE_CONFIGS entry launches the Gluon kernel with `wgmma_plan`'s
+    """A decode call (M 2-32) on a shape without a decode entry launches the Gluon kernel with `wgmma_plan`'s
     stages: within TOL of the fp32 reference (bf16 with a bias too), the same bits twice, and the split-K kernel's bits
-    where that kernel can run the plan's K partition. WGMMA_RULE off: no launch (the split-K heuristic)."""
+    where that kernel can run the plan's K partition. A policy with wgmma_rule off: no launch (the split-K
+    heuristic)."""
     from engine.kernels import sm_count
 
     n, k = nk
     kb = -(-k // 128)
     sms = sm_count(torch.device("cuda"))
     for m in (2, 5, 12, 24, 32):
-        assert (spy._device_name("cuda", torch.cuda.current_device()), n, k, spy._tiles(m)[0]) not in \
-            spy.DECODE_CONFIGS
-        splits, gps, stages = spy.wgmma_plan(m, n, k, sms)
+        assert (P._device_name("cuda", torch.cuda.current_device()), n, k, P._tiles(m)[0]) not in \
+            P.DEFAULT_POLICY.decode_configs
+        splits, gps, stages = P.wgmma_plan(m, n, k, sms)
         xd, xs, wd, ws = block_operands(m, n, k, seed=m + n + k)
         spy.calls.clear()
         out = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
@@ -536,7 +538,7 @@ def test_the_wgmma_rule_runs_shapes_without_an_entry(spy, monkeypatch, nk):
             tri = spy._launch_fp8(xd, xs, xs.stride(), wd, ws, ws.stride(), None, torch.float32, splits, block_n=64,
                                   fused_reduce=True, sliced=False, wgmma=False)
             assert torch.equal(out.view(torch.int32), tri.view(torch.int32)), (nk, m)
-    monkeypatch.setattr(spy, "WGMMA_RULE", False)
     spy.calls.clear()
-    off = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
+    off = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32,
+                               policy=dataclasses.replace(P.DEFAULT_POLICY, wgmma_rule=False))
     assert spy.calls == [] and rel(off, ref) <= TOL[torch.float32]
