@@ -16,7 +16,7 @@ The only per-step host sync is the stop check of requests that have stop ids.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -130,9 +130,11 @@ def finished(req: GenerationRequest, produced: int, token: int | None) -> bool:
 
 
 def lockstep_step(rec: Recorder, requests: Sequence[GenerationRequest], live: list[int], step: int,
-                  logits: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+                  logits: torch.Tensor, lengths: list[int],
+                  on_done: Optional[Callable[[int], None]] = None) -> tuple[torch.Tensor, list[int]]:
     """One step of requests `live` decoding in lockstep (all at output position `step`): record their greedy tokens
-    from logits (b, vocab), set their lengths; returns (tokens (b,), positions in `live` of those not finished)."""
+    from logits (b, vocab), set their lengths; returns (tokens (b,), positions in `live` of those not finished).
+    `on_done(n)` is told how many requests finished at this step (a progress bar)."""
     rows = torch.tensor(live, dtype=torch.long, device=logits.device)
     nxt = rec.record(rows, torch.full_like(rows, step), logits, live)
     host = nxt.tolist() if any(requests[i].stop_ids for i in live) else [None] * len(live)
@@ -141,16 +143,19 @@ def lockstep_step(rec: Recorder, requests: Sequence[GenerationRequest], live: li
         lengths[i] = step + 1
         if not finished(requests[i], step + 1, host[j]):
             keep.append(j)
+    if on_done is not None and len(keep) < len(live):
+        on_done(len(live) - len(keep))
     return nxt, keep
 
 
 @torch.no_grad()
 def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest], max_batch: int,
                         prefill_chunk: int | None = None, step_stats: bool = False,
-                        keep_logits: bool = False) -> list[Generation]:
+                        keep_logits: bool = False,
+                        on_done: Optional[Callable[[int], None]] = None) -> list[Generation]:
     """Greedy generations on the contiguous KV cache: requests of equal prompt length decode together, up to
     `max_batch` at a time (finished ones leave the batch, as on a server); prompts are prefilled in chunks of
-    `prefill_chunk` tokens (None: whole)."""
+    `prefill_chunk` tokens (None: whole). `on_done(n)`: n more requests finished."""
     requests = cap_requests(requests, engine.cfg.max_position)
     nx, weights, model = engine.nx, engine.weights, engine.model
     dev = engine.device
@@ -171,7 +176,7 @@ def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest],
             for s in range(0, plen, chunk):
                 last = model.forward(nx, weights, x[:, s:s + chunk], cache)[:, -1]  # (b, vocab)
             for step in range(longest):
-                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths)
+                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths, on_done)
                 if not keep:
                     break
                 if len(keep) < len(live):  # finished requests leave the batch and the cache

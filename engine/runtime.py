@@ -21,7 +21,7 @@ sweep it and the invariance eval can compare two configurations.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -224,7 +224,7 @@ class PagedRuntime:
 
     @torch.no_grad()
     def serve(self, requests: Sequence[GenerationRequest], step_stats: bool = False,
-              keep_logits: bool = False) -> list[Generation]:
+              keep_logits: bool = False, on_done: Optional[Callable[[int], None]] = None) -> list[Generation]:
         """Greedy generations of all `requests` with continuous batching: up to `max_batch` requests decode
         together, one token per step each at its own position; a finished request (its budget used, or a stop
         id produced) leaves the batch and its slot takes the next waiting request (prefilled, then decoding with
@@ -232,6 +232,7 @@ class PagedRuntime:
 
         Nothing leaves the device per step unless a live request has stop ids (its tokens are then read back to
         check them). With CUDA graphs, each batch size's decode step is captured once and replayed.
+        `on_done(n)` is told each time n more requests finished (a progress bar).
         """
         requests = cap_requests(requests, self.engine.cfg.max_position)
         for i, r in enumerate(requests):
@@ -258,6 +259,8 @@ class PagedRuntime:
             if admitted:  # a request can end on its first token (a stop id, or a budget of one)
                 new = torch.cat(firsts)
                 keep = self._unfinished(requests, admitted, new, lengths)
+                if on_done is not None and len(keep) < len(admitted):
+                    on_done(len(admitted) - len(keep))
                 free.extend(slot for j, (_, slot) in enumerate(admitted) if j not in keep)
                 live += [admitted[j] for j in keep]
                 tokens = torch.cat([tokens, new[keep]])
@@ -277,6 +280,8 @@ class PagedRuntime:
                     lengths[i] += 1
                 keep = self._unfinished(requests, live, tokens, lengths)
                 if len(keep) < len(live):  # the batch changes: rebuild its tensors (and admit waiting requests)
+                    if on_done is not None:
+                        on_done(len(live) - len(keep))
                     free.extend(slot for j, (_, slot) in enumerate(live) if j not in keep)
                     live = [live[j] for j in keep]
                     tokens = tokens[keep]

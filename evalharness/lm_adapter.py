@@ -279,11 +279,9 @@ class HarnessLM(LM):
             prompts.append(prompt)
             gen_reqs.append(GenerationRequest(tuple(prompt), max_gen, self._stop_token_ids(until)))
         texts: dict[tuple[str, tuple[str, ...], int], str] = {}
-        # the bar counts the requests as they come back (all at once from a batching model: its serving runtime
-        # decodes them together)
+        # the bar counts the requests as they finish (the serving runtime decodes them together)
         with self.progress.bar(total=len(unique), desc=f"{self.name} generate_until", unit="req") as bar:
-            gens = generate_many(self.model, gen_reqs, self.batch_size)
-            bar.update(len(gens))
+            gens = generate_many(self.model, gen_reqs, self.batch_size, on_done=bar.update)
         for key, prompt, gen in zip(unique, prompts, gens):
             self.counters["generate_calls"] += 1
             self.counters["generated_tokens"] += len(gen.tokens)

@@ -303,13 +303,14 @@ class ReferenceLM:
 
     @torch.no_grad()
     def generate_batch(self, requests: Sequence[GenerationRequest], max_batch: int = 8, step_stats: bool = False,
-                       keep_logits: bool = False) -> list[Generation]:
+                       keep_logits: bool = False, on_done: Callable[[int], None] | None = None) -> list[Generation]:
         """Greedy generations of all `requests` with HF's KV cache, `max_batch` at a time.
 
         Requests are sorted by prompt length and left-padded to the longest of their batch (attention mask and
         position ids make padding invisible to the real tokens); prompts are prefilled in chunks whose attention
         scores stay under 1 GiB; a finished request (budget or stop id) leaves the batch and its cache rows.
-        Per-step results stay on the device (`engine.generation.Recorder`) until the end.
+        Per-step results stay on the device (`engine.generation.Recorder`) until the end. `on_done(n)`: n more
+        requests finished (a progress bar).
         """
         from transformers import DynamicCache
 
@@ -341,7 +342,7 @@ class ReferenceLM:
                                  **self._cache_kwargs(cache))
             last = out.logits[:, -1].float()  # (b, vocab)
             for step in range(total - plen):
-                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths)
+                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths, on_done)
                 if not keep:
                     break
                 if len(keep) < len(live):  # finished requests leave the batch and the cache

@@ -90,7 +90,14 @@ def _generate(ctx: EvalContext, model: Any, prompts: list[list[int]], new_tokens
     margin."""
     reqs = [GenerationRequest(tuple(p), new_tokens) for p in prompts]
     return [{"tokens": g.tokens, "entropy": g.entropy, "margin": g.margin}
-            for g in generate_many(model, reqs, ctx.batch_size, step_stats=True)]
+            for g in _decode(ctx, model, reqs, "generations", step_stats=True)]
+
+
+def _decode(ctx: EvalContext, model: Any, reqs: list[GenerationRequest], what: str, step_stats: bool = False):
+    """`generate_many` with a bar counting the requests as they finish."""
+    side = "engine" if model is ctx.engine else "reference"
+    with ctx.progress.bar(total=len(reqs), desc=f"{side} {what}", unit="req") as bar:
+        return generate_many(model, reqs, ctx.batch_size, step_stats=step_stats, on_done=bar.update)
 
 
 def _as_text(ctx: EvalContext, tokens: list[int]) -> bytes:
@@ -251,8 +258,8 @@ def run_passkey(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     digest = _digest(prompts)
     reqs = [GenerationRequest(tuple(p), PASSKEY_NEW_TOKENS) for p in prompts]
     ref_out = ctx.reference_cached(("longctx_passkey", digest), lambda: [
-        g.tokens for g in generate_many(ctx.reference, reqs, ctx.batch_size)])
-    eng_out = [g.tokens for g in generate_many(ctx.engine, reqs, ctx.batch_size)]
+        g.tokens for g in _decode(ctx, ctx.reference, reqs, "passkeys")])
+    eng_out = [g.tokens for g in _decode(ctx, ctx.engine, reqs, "passkeys")]
     ctx.data_hashes[f"longctx:passkey|lens{lens}|n{len(prompts)}"] = digest
     ans_ref = [_answer(ctx.tokenizer, o) for o in ref_out]
     ans_eng = [_answer(ctx.tokenizer, o) for o in eng_out]

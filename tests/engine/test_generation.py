@@ -44,11 +44,15 @@ def _requests(seed: int = 0, stops: bool = False) -> list[GenerationRequest]:
 @pytest.mark.parametrize("batch,chunk", [(4, None), (3, 7), (16, None)])
 def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
     """Under fp32, continuous batching (GQA) and equal-length batches (MLA) give every request the tokens of
-    `Engine.generate` alone, budgets and stop ids included; step statistics match its logits."""
+    `Engine.generate` alone, budgets and stop ids included; step statistics match its logits. `on_done` hears of
+    every request as it finishes (a progress bar that moves during the decode, not once at the end)."""
     eng = Engine(zoo[model], "fp32")
     assert eng.runtime_serves() == (model == "zoo-llama")
     reqs = _requests(stops=True)
-    gens = eng.generate_batch(reqs, ServingConfig(max_batch=batch, prefill_chunk=chunk), step_stats=True)
+    done: list[int] = []
+    gens = eng.generate_batch(reqs, ServingConfig(max_batch=batch, prefill_chunk=chunk), step_stats=True,
+                              on_done=done.append)
+    assert sum(done) == len(reqs) and len(done) >= 3, done
     stopped = 0
     for r, g in zip(reqs, gens):
         tokens, logits = eng.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids, return_logits=True)

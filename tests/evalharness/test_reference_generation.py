@@ -32,7 +32,9 @@ def test_padded_batches_equal_one_at_a_time(model):
     same tokens as `generate` alone, step logits within 1e-4, statistics from those logits."""
     ref = ReferenceLM(load_model(str(REPO / "zoo" / model)))
     reqs = _requests(seed=2)
-    gens = ref.generate_batch(reqs, max_batch=3, step_stats=True, keep_logits=True)
+    done: list[int] = []  # the progress callback: every request, as it finishes
+    gens = ref.generate_batch(reqs, max_batch=3, step_stats=True, keep_logits=True, on_done=done.append)
+    assert sum(done) == len(reqs) and len(done) >= 3, done
     for r, g in zip(reqs, gens):
         tokens, logits = ref.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids, return_logits=True)
         assert g.tokens == tokens
@@ -59,9 +61,10 @@ def test_generate_many_drives_a_one_request_engine():
     ref = ReferenceLM(load_model(str(REPO / "zoo" / "zoo-llama")))
     reqs = _requests(seed=5)
     single = OneAtATime(ref)
-    got = generate_many(single, reqs, max_batch=4, step_stats=True)
+    done: list[int] = []
+    got = generate_many(single, reqs, max_batch=4, step_stats=True, on_done=done.append)
     want = generate_many(ref, reqs, max_batch=4, step_stats=True)
-    assert single.calls == len(reqs)
+    assert single.calls == len(reqs) and done == [1] * len(reqs)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert torch.allclose(torch.tensor(sum((g.entropy for g in got), [])),
                           torch.tensor(sum((w.entropy for w in want), [])), atol=1e-5)
