@@ -2,21 +2,30 @@
 
 Each result JSON becomes one mlflow run, nested under a parent run that
 stands for the suite invocation (the results directory), so mlflow's
-compare view puts the recipes of one suite side by side:
+compare view puts the recipes of one suite side by side. What a run holds is
+decided in :mod:`evalharness.mlflow_view`:
 
-* **params** (flat): `model.*`, `recipe.name` and every recipe site
-  (`recipe.linear.weight`, `recipe.kv.k`, ...), `serving.*`, `backend`,
-  `seed`, `suite`, `evals.*`;
+* **params** (flat): `0_headline/recipe` (the recipe name, the first param),
+  `model.*`, `recipe.name` and every recipe site (`recipe.linear.weight`,
+  `recipe.kv.k`, ...), `serving.*`, `backend`, `seed`, `suite`, `evals.*`;
 * **tags**: `suite`, `suite_sha`, `git_sha`, `hardware_class`, `cpu`, `gpu`,
-  `run_key`, `status`, `result_sha` (sha256 of the file), `nonfinite_metrics`
-  (metrics stored as null, which mlflow cannot hold);
-* **metrics**: the result's `metrics` dict as is, plus step series:
-  per-layer stats `layer_error.<tap>.<stat>` with step = layer index (from
-  `layer_error.layers.{i}.<tap>.<stat>`) and position series
-  (`ppl_kld.kld_by_position`, step = position) when the result has them;
-* **artifacts**: `result/<run_key>.json`, `per_layer/<eval>.csv`
-  (layer, tap, stat, value), `plots/*.png` (error vs depth per tap kind, KLD by
-  position) and `gate/*` when the results dir holds a gate summary.
+  `run_key`, `model`, `status`, `result_sha` (sha256 of the file),
+  `nonfinite_metrics` (metrics stored as null, which mlflow cannot hold) and,
+  once a gate summary is logged, `gate` (this run's verdict);
+* **metrics**: headline copies `0_headline/...` first (the compare table's
+  first rows), then the result's single-value metrics and `timing.*`, and step
+  series for per-layer statistics (step = layer), position buckets and
+  per-position arrays (step = position) instead of one flat key per layer or
+  bucket; with a gate summary, `0_headline/gate.fail`;
+* **artifacts**: the plots (error vs depth per tap kind, KLD by position) at the
+  artifact root, where the compare page's "Artifacts" section shows them side by
+  side, `result/<run_key>.json`, `per_layer/<eval>.csv` (layer, tap, stat,
+  value) and `gate/*` when the results dir holds a gate summary.
+
+The experiment is created with the tag `mlflow.experimentKind =
+custom_model_development` ("Machine learning" in mlflow 3's kind switch); the
+links `ui_hint` prints open the "Model training" view (`workflowType=
+machine_learning`) and compare the runs of one model at a time.
 
 Idempotent: a child run is identified by its `run_key` and `result_sha` tags.
 Logging the same file again finds it and leaves it alone (`force=True`
@@ -34,32 +43,29 @@ runner turns them into warnings (`make_result_logger`).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
-import io
-import json
 import logging
-import math
 import os
-import re
 import socket
 import sys
 import tempfile
 import time
-import urllib.parse
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from evalharness.mlflow_view import (EXPERIMENT_KIND_TAG, HEADLINE, MAX_PARAM_LEN, MAX_TAG_LEN, _short, compare_url,
+                                     experiment_url, flat_metrics, flat_params, gate_counts, headline_metrics,
+                                     model_name, per_layer_csv, per_layer_rows, position_series, result_tags,
+                                     run_verdict, split_metrics, step_series, write_plots)
 from evalharness.results import iter_results
 
-PER_LAYER = re.compile(r"^(?P<eval>[^.]+)\.layers\.(?P<layer>\d+)\.(?P<tap>.+)\.(?P<stat>[^.]+)$")
-BY_POSITION_METRIC = re.compile(r"^(?P<name>.+_by_position)\.(?P<pos>\d+)$")
+__all__ = ["Logged", "Tracker", "TrackingError", "compare_url", "default_experiment", "default_tracking_uri",
+           "experiment_url", "file_sha256", "flat_metrics", "flat_params", "gate_counts", "headline_metrics",
+           "make_result_logger", "position_series", "resolve_tracking_uri", "result_tags", "run_verdict",
+           "split_metrics", "step_series"]
+
 GATE_FILES = ("summary.md", "gate_summary.md", "gate.md", "junit.xml", "gate_junit.xml")
-PLOT_STATS = ("rel_l2", "sqnr_db")
-MAX_PARAM_LEN = 500          # mlflow allows 6000; long values (overrides, scales) are summarised
-MAX_TAG_LEN = 5000           # mlflow allows 8000
 BATCH_METRICS = 1000         # mlflow's MAX_METRICS_PER_BATCH
 BATCH_PARAMS_TAGS = 100      # mlflow's MAX_PARAMS_TAGS_PER_BATCH
 HTTP_DEFAULTS = {            # bounded retries so that a down server costs seconds, not minutes
@@ -105,189 +111,6 @@ def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _short(value: Any, limit: int) -> str:
-    """A value as an mlflow param/tag string, cut to `limit` characters."""
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def flat_params(doc: dict[str, Any]) -> dict[str, str]:
-    """The flat params of a result: model, recipe name + every site, serving, backend, seed, suite, evals."""
-    spec = doc.get("spec") or {}
-    out: dict[str, Any] = {"suite": (doc.get("suite") or {}).get("name"), "backend": spec.get("backend"),
-                           "seed": spec.get("seed")}
-    for k, v in (spec.get("model") or {}).items():
-        out[f"model.{k}"] = v
-    recipe = spec.get("recipe") or {}
-    for k, v in recipe.items():
-        if k == "description":
-            continue
-        if k == "scales" and isinstance(v, dict):
-            v = "static scales for " + ",".join(sorted(v))
-        out[f"recipe.{k}"] = v
-    for k, v in (spec.get("serving") or {}).items():
-        out[f"serving.{k}"] = v
-    for ev, cfg in (spec.get("evals") or {}).items():
-        for k, v in (cfg or {}).items():
-            out[f"evals.{ev}.{k}"] = v
-    return {k: _short(v, MAX_PARAM_LEN) for k, v in out.items() if v is not None}
-
-
-def result_tags(doc: dict[str, Any], sha: str) -> dict[str, str]:
-    """Tags of a result's run: suite name/sha, git sha, hardware class, cpu/gpu, run_key, status, nonfinite."""
-    prov = doc.get("provenance") or {}
-    hw = prov.get("hardware") or {}
-    suite = doc.get("suite") or {}
-    tags = {
-        "run_key": doc["run_key"], "status": doc.get("status"), "result_sha": sha,
-        "suite": suite.get("name"), "suite_sha": suite.get("sha256"), "git_sha": prov.get("git_sha"),
-        "mlflow.source.git.commit": (prov.get("git_sha") or "").removesuffix("-dirty") or None,
-        "hardware_class": hw.get("hardware_class"), "cpu": hw.get("cpu"), "gpu": hw.get("gpu"),
-        "device": hw.get("device"), "created_at": prov.get("created_at"), "kind": "result",
-    }
-    nonfinite = sorted(k for k, v in (doc.get("metrics") or {}).items() if v is None or (
-        isinstance(v, float) and not math.isfinite(v)))
-    if nonfinite:
-        tags["nonfinite_metrics"] = ",".join(nonfinite)
-    err = doc.get("error")
-    if err:
-        tags["error"] = f"{err.get('type')}: {err.get('message')}"
-    return {k: _short(v, MAX_TAG_LEN) for k, v in tags.items() if v not in (None, "")}
-
-
-def _finite(x: Any) -> float | None:
-    """`x` as a finite float, or None (null, NaN/Inf, non-numbers)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def flat_metrics(doc: dict[str, Any]) -> dict[str, float]:
-    """The result's metrics dict (finite numbers only) plus `timing.*`."""
-    out = {k: v for k, v in ((k, _finite(v)) for k, v in (doc.get("metrics") or {}).items()) if v is not None}
-    for k, v in (doc.get("timing") or {}).items():
-        if _finite(v) is not None:
-            out[f"timing.{k}"] = float(v)
-    return out
-
-
-def per_layer_rows(metrics: dict[str, Any]) -> list[tuple[str, int, str, str, float]]:
-    """(eval, layer, tap, stat, value) for every `<eval>.layers.{i}.<tap>.<stat>` metric with a finite value."""
-    rows = []
-    for name, value in metrics.items():
-        m = PER_LAYER.match(name)
-        v = _finite(value)
-        if m and v is not None:
-            rows.append((m["eval"], int(m["layer"]), m["tap"], m["stat"], v))
-    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
-    return rows
-
-
-def position_series(doc: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """Series by position (`<eval>.<name>_by_position`): from samples arrays or `..._by_position.<pos>` metrics."""
-    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for ev, arrays in (doc.get("samples") or {}).items():
-        if not isinstance(arrays, dict):
-            continue
-        for name, arr in arrays.items():
-            if "by_position" not in name or name.endswith("_positions"):
-                continue
-            if isinstance(arr, dict):  # {position: value}
-                pairs = [(int(p), _finite(v)) for p, v in arr.items() if str(p).lstrip("-").isdigit()]
-            elif isinstance(arr, list):
-                pos = arrays.get(f"{name}_positions") or arrays.get("positions")
-                if not (isinstance(pos, list) and len(pos) == len(arr) and all(isinstance(p, int) for p in pos)):
-                    pos = list(range(len(arr)))
-                pairs = [(int(p), _finite(v)) for p, v in zip(pos, arr)]
-            else:
-                continue
-            out[f"{ev}.{name}"] += [(p, v) for p, v in pairs if v is not None]
-    for name, value in (doc.get("metrics") or {}).items():
-        m = BY_POSITION_METRIC.match(name)
-        if m and _finite(value) is not None and f"{m['name']}" not in out:
-            out[m["name"] + "#metric"].append((int(m["pos"]), float(value)))
-    return {k.removesuffix("#metric"): sorted(v) for k, v in out.items() if v}
-
-
-def step_series(doc: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """Every step series of a result: per-layer stats (step = layer) and position series (step = position)."""
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for ev, layer, tap, stat, v in per_layer_rows(doc.get("metrics") or {}):
-        series[f"{ev}.{tap}.{stat}"].append((layer, v))
-    for name, pairs in position_series(doc).items():
-        series.setdefault(name, pairs)
-    return dict(series)
-
-
-def per_layer_csv(rows: Iterable[tuple[str, int, str, str, float]]) -> str:
-    """CSV text with header layer,tap,stat,value (rows of one eval)."""
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["layer", "tap", "stat", "value"])
-    for _, layer, tap, stat, value in rows:
-        w.writerow([layer, tap, stat, repr(value)])
-    return buf.getvalue()
-
-
-def write_plots(doc: dict[str, Any], folder: Path) -> list[Path]:
-    """PNG plots: error vs depth per tap kind (one figure per stat) and position series; Agg canvas, no pyplot."""
-    import matplotlib
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    rows = [r for r in per_layer_rows(doc.get("metrics") or {}) if r[0] == "layer_error"]
-    for stat in PLOT_STATS:
-        by_tap: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for _, layer, tap, st, v in rows:
-            if st == stat:
-                by_tap[tap].append((layer, v))
-        if not by_tap:
-            continue
-        fig = Figure(figsize=(8, 5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        colors = matplotlib.colormaps["tab20"].colors
-        for j, (tap, pts) in enumerate(sorted(by_tap.items())):
-            xs, ys = zip(*sorted(pts))
-            ax.plot(xs, ys, marker="o", label=tap, color=colors[(2 * j) % 20 + (j // 10) % 2])
-        if stat == "rel_l2" and all(v > 0 for pts in by_tap.values() for _, v in pts):
-            ax.set_yscale("log")
-        ax.set_xlabel("layer")
-        ax.set_ylabel(stat)
-        ax.set_title(f"{doc['run_key']}: {stat} vs depth")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = folder / f"error_vs_depth_{stat}.png"
-        fig.savefig(path)
-        written.append(path)
-    for name, pts in position_series(doc).items():
-        fig = Figure(figsize=(8, 4), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys)
-        ax.set_xlabel("position")
-        ax.set_ylabel(name)
-        ax.set_title(f"{doc['run_key']}: {name}")
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        path = folder / f"{name.replace('.', '_')}.png"
-        fig.savefig(path)
-        written.append(path)
-    return written
-
-
-def compare_url(base_url: str, run_ids: list[str], experiment_ids: list[str]) -> str:
-    """The mlflow 3.x UI compare-runs page: `<base>/#/compare-runs?runs=[...]&experiments=[...]`."""
-    q = (f"runs={urllib.parse.quote(json.dumps(run_ids, separators=(',', ':')))}"
-         f"&experiments={urllib.parse.quote(json.dumps(experiment_ids, separators=(',', ':')))}")
-    return f"{base_url.rstrip('/')}/#/compare-runs?{q}"
-
-
 def _chunks(items: list, n: int) -> Iterable[list]:
     """`items` in lists of at most `n`."""
     for i in range(0, len(items), n):
@@ -312,6 +135,7 @@ class Tracker:
         self._parent_keys: set[str] = set()
         self.parent_key = hashlib.sha256(f"{socket.gethostname()}:{self.results_dir}".encode()).hexdigest()[:16]
         self.run_ids: dict[str, str] = {}
+        self.run_models: dict[str, str] = {}  # run_key -> model name (one compare link per model)
         self.disabled = False  # set after a failure during `run`: no more calls to the store
         self._open_child: str | None = None  # a child run being logged (closed as KILLED if interrupted)
 
@@ -356,12 +180,16 @@ class Tracker:
         if self._experiment_id is None:
             name = self.experiment_name or default_experiment(suite_name)
             exp = self.client.get_experiment_by_name(name)
+            kind_key, kind = EXPERIMENT_KIND_TAG
             if exp is None:
-                self._experiment_id = self.client.create_experiment(name, artifact_location=self._artifact_location())
+                self._experiment_id = self.client.create_experiment(name, artifact_location=self._artifact_location(),
+                                                                    tags={kind_key: kind})
             else:
                 if exp.lifecycle_stage == "deleted":
                     self.client.restore_experiment(exp.experiment_id)
                 self._experiment_id = exp.experiment_id
+                if kind_key not in exp.tags:  # an experiment of an older evalharness; a kind a user chose stays
+                    self.client.set_experiment_tag(self._experiment_id, kind_key, kind)
             self.experiment_name = name
         return self._experiment_id
 
@@ -422,12 +250,25 @@ class Tracker:
         """The gate summary / JUnit files in the results dir (written by `evalharness gate --summary/--junit`)."""
         return [self.results_dir / n for n in GATE_FILES if (self.results_dir / n).is_file()]
 
-    def log_gate_files(self, run_id: str) -> list[str]:
-        """Log the gate files (if any) under `gate/` of a run and tag it with the verdict; returns their names."""
+    def log_gate_files(self, run_id: str, run_key: str | None = None) -> list[str]:
+        """Log the gate files (if any) under `gate/` of a run and tag it with a verdict; returns their names.
+
+        The parent run (`run_key` None) gets the suite's verdict; a result's run gets its own (FAIL / WARN / PASS,
+        ERROR for a baseline problem) and the metric `0_headline/gate.fail` (its count of failed checks)."""
+        from mlflow.entities import Metric
+
         found = self.gate_files()
         for f in found:
             self.client.log_artifact(run_id, str(f), "gate")
         verdict = _gate_verdict(found)
+        if found and run_key is not None:
+            counts, problems = gate_counts(found)
+            if run_key in counts:
+                verdict = run_verdict(counts[run_key])
+                ts = int(time.time() * 1000)
+                self.client.log_batch(run_id, metrics=[Metric(f"{HEADLINE}gate.fail", counts[run_key]["FAIL"], ts, 0)])
+            elif run_key in problems:
+                verdict = "ERROR"
         if verdict:
             self.client.set_tag(run_id, "gate", verdict)
         return [f.name for f in found]
@@ -456,6 +297,7 @@ class Tracker:
         self.experiment_id((doc.get("suite") or {}).get("name"))
         existing = self._search(f"tags.run_key = '{key}' and tags.result_sha = '{sha}'")
         complete = [r for r in existing if r.data.tags.get("logged") == "complete"]
+        self.run_models[key] = model_name(doc)
         if complete and not force:
             r = complete[0]
             self.run_ids[key] = r.info.run_id
@@ -481,8 +323,11 @@ class Tracker:
         for chunk in _chunks(params, BATCH_PARAMS_TAGS):
             self.client.log_batch(rid, params=chunk)
         ts = int(time.time() * 1000)
-        metrics = [Metric(k, v, ts, 0) for k, v in flat_metrics(doc).items()]
-        for name, pts in step_series(doc).items():
+        flat, series = split_metrics(doc)
+        # Headline first: the UI lists a run's metrics in the order the store returns them (insertion order), and
+        # the compare page's parallel-coordinates plot colours by the first one.
+        metrics = [Metric(k, v, ts, 0) for k, v in {**headline_metrics(doc), **flat}.items()]
+        for name, pts in series.items():
             metrics += [Metric(name, v, ts, step) for step, v in pts]
         for chunk in _chunks(metrics, BATCH_METRICS):
             self.client.log_batch(rid, metrics=chunk)
@@ -494,10 +339,9 @@ class Tracker:
                 csv_path = tmpd / f"{ev}.csv"
                 csv_path.write_text(per_layer_csv(r for r in rows if r[0] == ev))
                 self.client.log_artifact(rid, str(csv_path), "per_layer")
-            plots = write_plots(doc, tmpd / "plots")
-            if plots:
-                self.client.log_artifacts(rid, str(tmpd / "plots"), "plots")
-        self.log_gate_files(rid)
+            if write_plots(doc, tmpd / "plots"):  # at the root: the compare page lists common root files only
+                self.client.log_artifacts(rid, str(tmpd / "plots"))
+        self.log_gate_files(rid, doc["run_key"])
         self.client.log_batch(rid, tags=[RunTag("logged", "complete")])
         self.client.set_terminated(rid, "FINISHED" if doc.get("status") == "ok" else "FAILED")
         self._open_child = None
@@ -513,9 +357,10 @@ class Tracker:
             self._parent_id = out[-1].parent_id
         if self.gate_files():  # a gate ran since the runs were logged: attach its summary
             try:
-                for run_id in {self._parent_id} | {o.run_id for o in out if o.action == "unchanged"}:
+                keys = {self._parent_id: None} | {o.run_id: o.run_key for o in out if o.action == "unchanged"}
+                for run_id, key in keys.items():
                     if run_id:
-                        self.log_gate_files(run_id)
+                        self.log_gate_files(run_id, key)
             except Exception as exc:
                 raise TrackingError(f"gate files: {type(exc).__name__}: {exc}") from exc
         self.close()
@@ -542,12 +387,19 @@ class Tracker:
         return f"mlflow: {len(self.run_ids)} result(s) in experiment '{self.experiment_name}' at {self.uri}"
 
     def ui_hint(self) -> str:
-        """Where to look: the compare URL for a server, or the `mlflow ui` command for a local store."""
-        ids = list(self.run_ids.values())
-        if self.uri.startswith(("http://", "https://")):
-            return f"compare in the mlflow UI: {compare_url(self.uri, ids, [self._experiment_id or '0'])}"
-        return (f"browse: mlflow ui --backend-store-uri {self.uri} --port 5000, then open "
-                f"{compare_url('http://127.0.0.1:5000', ids, [self._experiment_id or '0'])}")
+        """Where to look: the experiment's runs table and one compare page per model (its runs across recipes);
+        for a local store, first the `mlflow ui` command that serves it."""
+        exp = self._experiment_id or "0"
+        server = self.uri.startswith(("http://", "https://"))
+        base = self.uri if server else "http://127.0.0.1:5000"
+        lines = [] if server else [f"browse: mlflow ui --backend-store-uri {self.uri} --port 5000, then open"]
+        lines.append(f"  runs:    {experiment_url(base, exp)}")
+        by_model: dict[str, list[str]] = {}
+        for key, run_id in self.run_ids.items():
+            by_model.setdefault(self.run_models.get(key, key.split("__")[0]), []).append(run_id)
+        for model, ids in by_model.items():
+            lines.append(f"  compare {model}: {compare_url(base, ids, [exp])}")
+        return "\n".join(lines)
 
 
 def _gate_verdict(files: list[Path]) -> str | None:

@@ -117,8 +117,13 @@ def test_metrics_and_per_layer_step_series(logged):
     client, run = logged["client"], logged["child"][FP8]
     m = load_result(logged["out"] / f"{FP8}.json")["metrics"]
     assert run.data.metrics["ppl_kld.kld_mean"] == m["ppl_kld.kld_mean"]
-    assert run.data.metrics["layer_error.layers.2.mlp.out.rel_l2"] == m["layer_error.layers.2.mlp.out.rel_l2"]
-    assert sum(1 for k in m if m[k] is not None) <= len(run.data.metrics)
+    assert run.data.metrics["0_headline/ppl_kld.kld_mean"] == m["ppl_kld.kld_mean"]
+    assert run.data.metrics["0_headline/gate.fail"] == 0 and run.data.tags["gate"] == "PASS"
+    assert not any(".layers." in k or ".pos0_" in k for k in run.data.metrics)  # series, not flat keys
+    assert len(run.data.metrics) < sum(1 for k in m if m[k] is not None) / 2
+    buckets = {h.step: h.value for h in client.get_metric_history(run.info.run_id, "ppl_kld.pos_bucket.kld_mean")}
+    first = next(k for k in m if k.startswith("ppl_kld.pos0_") and k.endswith(".kld_mean"))
+    assert min(buckets) == 0 and buckets[0] == m[first] and len(buckets) == 4
     hist = client.get_metric_history(run.info.run_id, "layer_error.mlp.out.rel_l2")
     by_step = {h.step: h.value for h in hist}
     n_layers = 1 + max(int(k.split(".")[2]) for k in m if k.startswith("layer_error.layers."))
@@ -139,17 +144,15 @@ def test_artifacts(logged, tmp_path):
     client, run = logged["client"], logged["child"][FP8]
     rid = run.info.run_id
     top = {a.path for a in client.list_artifacts(rid)}
-    assert {"result", "per_layer", "plots", "gate"} <= top
+    assert {"result", "per_layer", "gate", "error_vs_depth_rel_l2.png", "error_vs_depth_sqnr_db.png"} <= top
     assert [a.path for a in client.list_artifacts(rid, "result")] == [f"result/{FP8}.json"]
-    plots = {a.path for a in client.list_artifacts(rid, "plots")}
-    assert {"plots/error_vs_depth_rel_l2.png", "plots/error_vs_depth_sqnr_db.png"} <= plots
     local = Path(client.download_artifacts(rid, "per_layer/layer_error.csv", str(tmp_path)))
     rows = list(csv.DictReader(io.StringIO(local.read_text())))
     assert list(rows[0]) == ["layer", "tap", "stat", "value"]
     m = load_result(logged["out"] / f"{FP8}.json")["metrics"]
     row = next(r for r in rows if r["layer"] == "1" and r["tap"] == "attn.o_proj" and r["stat"] == "rel_l2")
     assert float(row["value"]) == m["layer_error.layers.1.attn.o_proj.rel_l2"]
-    png = Path(client.download_artifacts(rid, "plots/error_vs_depth_rel_l2.png", str(tmp_path)))
+    png = Path(client.download_artifacts(rid, "error_vs_depth_rel_l2.png", str(tmp_path)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(Path(client.download_artifacts(rid, f"result/{FP8}.json", str(tmp_path))).read_text())
     assert doc == load_result(logged["out"] / f"{FP8}.json")
@@ -189,7 +192,60 @@ def test_position_series_and_nonfinite(logged, tmp_path):
     run = client.get_run(item.run_id)
     assert run.data.tags["nonfinite_metrics"] == "ppl_kld.kld_p999"
     assert "ppl_kld.kld_p999" not in run.data.metrics
-    assert "plots/ppl_kld_kld_by_position.png" in {a.path for a in client.list_artifacts(item.run_id, "plots")}
+    assert "ppl_kld_kld_by_position.png" in {a.path for a in client.list_artifacts(item.run_id)}
+
+
+def test_headline_and_series_of_a_result():
+    """Headline copies (KLD, PPL ratio, top-1, each configured task's delta / interval / p) in logging order; the
+    per-layer, position-bucket and indexed-bucket keys become step series and leave the flat metrics."""
+    doc = load_result(REPO / "baselines" / "smoke" / f"{FP8}.json")
+    m = doc["metrics"]
+    doc["metrics"] = {**m, "tasks.mmlu.delta": -0.02, "tasks.mmlu.delta_lo": -0.05, "tasks.mmlu.delta_hi": 0.01,
+                      "tasks.mmlu.mcnemar_p": 0.2, "tasks.mmlu_anatomy.delta": 0.1, "tasks.arc_easy.delta": 0.0,
+                      "longctx.kld_bucket0": 0.1, "longctx.kld_bucket1": 0.3}
+    doc["spec"]["evals"]["tasks"] = {"tasks": ["mmlu"]}
+    doc["samples"]["longctx"] = {"kld_bucket_edges": [0, 512, 1024]}
+    head = tracking.headline_metrics(doc)
+    assert list(head)[:4] == [f"0_headline/ppl_kld.{k}" for k in ("kld_mean", "ppl_ratio", "top1_agree", "kld_p99")]
+    assert head["0_headline/ppl_kld.ppl_ratio"] == m["ppl_kld.ppl_ratio"]
+    assert [k for k in head if "tasks" in k] == [f"0_headline/tasks.mmlu.{s}" for s in
+                                                  ("delta", "delta_lo", "delta_hi", "mcnemar_p")]
+    flat, series = tracking.split_metrics(doc)
+    assert series["longctx.kld_bucket"] == [(0, 0.1), (512, 0.3)]
+    lo = sorted(int(k.split(".")[1][3:].split("_")[0]) for k in m if k.startswith("ppl_kld.pos") and
+                k.endswith(".kld_mean"))
+    assert [s for s, _ in series["ppl_kld.pos_bucket.kld_mean"]] == lo and len(lo) == 4
+    assert series["layer_error.mlp.out.rel_l2"][3] == (3, m["layer_error.layers.3.mlp.out.rel_l2"])
+    assert not [k for k in flat if ".layers." in k or ".pos" in k or "bucket" in k]
+    assert flat["ppl_kld.kld_mean"] == m["ppl_kld.kld_mean"] and "tasks.mmlu.delta" in flat
+
+
+def test_gate_counts_from_summary_and_junit(tmp_path):
+    """Per-run verdict counts from the gate's markdown summary and from its JUnit XML agree."""
+    from evalharness.gate import Verdict
+    from evalharness.report import write_junit, write_summary
+
+    vs = [Verdict(run_key=k, metric=f"m{i}", verdict=v)
+          for i, (k, v) in enumerate([("a", "PASS"), ("a", "FAIL"), ("b", "WARN"), ("b", "PASS")])]
+    md = write_summary(tmp_path / "summary.md", vs, ["c: no baseline at x"], 1)
+    xml = write_junit(tmp_path / "junit.xml", vs, ["c: no baseline at x"])
+    for files in ([md], [xml]):
+        counts, problems = tracking.gate_counts(files)
+        assert counts == {"a": {"PASS": 1, "WARN": 0, "FAIL": 1}, "b": {"PASS": 1, "WARN": 1, "FAIL": 0}}
+        assert problems == {"c"}
+        assert [tracking.run_verdict(counts[k]) for k in "ab"] == ["FAIL", "WARN"]
+
+
+def test_ui_hint_one_compare_link_per_model(tmp_path):
+    """`log` prints the runs table link ("Model training" view) and one compare link per model."""
+    tr = tracking.Tracker(tmp_path, "http://mlflow.example:5000")
+    tr._experiment_id = "3"
+    tr.run_ids = {"a__fp32": "r1", "b__fp32": "r2", "a__fp8": "r3"}
+    tr.run_models = {"a__fp32": "a", "b__fp32": "b", "a__fp8": "a"}
+    lines = tr.ui_hint().splitlines()
+    assert lines[0].endswith("http://mlflow.example:5000/#/experiments/3/runs?workflowType=machine_learning")
+    assert lines[1] == "  compare a: " + tracking.compare_url("http://mlflow.example:5000", ["r1", "r3"], ["3"])
+    assert lines[2] == "  compare b: " + tracking.compare_url("http://mlflow.example:5000", ["r2"], ["3"])
 
 
 def test_metric_by_position_keys_become_a_series():
