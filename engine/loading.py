@@ -264,6 +264,19 @@ def checkpoint_sha256(source: str) -> str:
     return _hash_files(files)
 
 
+def read_hf_config(directory: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
+    """(path, contents, ModelConfig) of an HF model folder's config.json; a WeightsError naming the file when it is
+    missing or not JSON."""
+    cfg_path = directory / "config.json"
+    if not cfg_path.exists():
+        raise WeightsError(f"{directory}: config.json is missing; this is not an HF model directory")
+    try:
+        hf_config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise WeightsError(f"{cfg_path}: not valid JSON ({exc})") from None
+    return cfg_path, hf_config, ModelConfig.from_hf(hf_config, where=str(cfg_path))
+
+
 def load_model(source: str) -> LoadedModel:
     """Load a model from an HF directory / hub id, or a llama2.c checkpoint (`llama2c:PATH` or `*.bin`)."""
     if _is_llama2c(source):
@@ -276,13 +289,6 @@ def load_model(source: str) -> LoadedModel:
     directory = resolve_model_dir(source)
     if not directory.is_dir():
         raise WeightsError(f"{directory}: expected a model directory (config.json + *.safetensors)")
-    cfg_path = directory / "config.json"
-    if not cfg_path.exists():
-        raise WeightsError(f"{directory}: config.json is missing; this is not an HF model directory")
-    try:
-        hf_config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise WeightsError(f"{cfg_path}: not valid JSON ({exc})") from None
-    cfg = ModelConfig.from_hf(hf_config, where=str(cfg_path))
+    cfg_path, hf_config, cfg = read_hf_config(directory)
     weights, files = _read_safetensors(directory, cfg)
     return LoadedModel(cfg, hf_config, weights, source, str(directory), _hash_files([cfg_path, *files]))

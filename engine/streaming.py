@@ -21,7 +21,6 @@ batch gets the same bits as the resident forward on the same device.
 from __future__ import annotations
 
 import collections
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -104,7 +103,7 @@ class LayerStore:
     @classmethod
     def open(cls, source: str) -> "LayerStore":
         """The store of a model source (`engine.loading.load_model`'s grammar), reading only headers now."""
-        from engine.loading import _is_llama2c, _shard_files, resolve_model_dir
+        from engine.loading import _is_llama2c, _shard_files, read_hf_config, resolve_model_dir
 
         if _is_llama2c(source):
             from engine.llama2c import read_llama2c
@@ -113,14 +112,7 @@ class LayerStore:
             hf_config, weights = read_llama2c(str(Path(path).expanduser()))
             return cls(ModelConfig.from_hf(hf_config, where=path), path, weights=weights, hf_config=hf_config)
         directory = resolve_model_dir(source)
-        cfg_path = directory / "config.json"
-        if not cfg_path.exists():
-            raise WeightsError(f"{directory}: config.json is missing; this is not an HF model directory")
-        try:
-            hf_config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise WeightsError(f"{cfg_path}: not valid JSON ({exc})") from None
-        cfg = ModelConfig.from_hf(hf_config, where=str(cfg_path))
+        _, hf_config, cfg = read_hf_config(directory)
         from safetensors import SafetensorError, safe_open
 
         files: dict[str, Path] = {}
@@ -254,7 +246,7 @@ class LayerStore:
 class _Shell(Transformer):
     """A `Transformer` without master weights: its config and RoPE tables, for stage-by-stage forwards."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):  # noqa: super().__init__ would need every weight
+    def __init__(self, cfg: ModelConfig, device: torch.device):  # no super().__init__(): it would need every weight
         self.cfg = cfg
         self.weights = {}
         self.inv_freq = rope_inv_freq(cfg).to(device)
