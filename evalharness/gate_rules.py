@@ -52,11 +52,11 @@ import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      field_validator, model_validator)
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from evalharness.errors import ResultError
+from evalharness.schema import CUSTOM, Schema, messages
 
 GATE_KEYS = ("alpha", "correction", "noise_floor", "rules")
 RULE_KEYS = ("metric", "direction", "abs_tol", "rel_tol", "noise_k", "noise", "samples", "test",
@@ -126,13 +126,7 @@ Number = Annotated[Union[StrictInt, StrictFloat], Field(allow_inf_nan=False)]  #
 Margin = Union[StrictInt, StrictFloat, StrictStr]
 
 
-class _Schema(BaseModel):
-    """Unknown keys are errors; values are taken as written (no coercion of strings to numbers)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class Rule(_Schema):
+class Rule(Schema):
     """One gate rule (module docstring); the checks across keys are in `_modes`."""
 
     metric: Annotated[StrictStr, Field(min_length=1)]
@@ -170,32 +164,32 @@ class Rule(_Schema):
     def _modes(self) -> "Rule":
         given = self.model_fields_set
         if "noise" in given and "noise_k" not in given:
-            raise PydanticCustomError("rule", "'noise: {noise}' needs 'noise_k' (the multiple of the noise floor)",
+            raise PydanticCustomError(CUSTOM, "'noise: {noise}' needs 'noise_k' (the multiple of the noise floor)",
                                       {"noise": self.noise})
         modes = [k for k in ("noninferiority_margin", "tost_margin") if k in given]
         if len(modes) > 1:
-            raise PydanticCustomError("rule", "give either noninferiority_margin or tost_margin, not both")
+            raise PydanticCustomError(CUSTOM, "give either noninferiority_margin or tost_margin, not both")
         for key in modes:
             if not self.samples:
-                raise PydanticCustomError("rule", "{key} needs 'samples' (a per-window array for the paired test)",
+                raise PydanticCustomError(CUSTOM, "{key} needs 'samples' (a per-window array for the paired test)",
                                           {"key": key})
             clash = [k for k in ("abs_tol", "rel_tol", "noise_k", "test") if k in given]
             if clash:
-                raise PydanticCustomError("rule", "{key} is a test of its own; drop {clash} (or put them in a "
+                raise PydanticCustomError(CUSTOM, "{key} is a test of its own; drop {clash} (or put them in a "
                                           "separate rule)", {"key": key, "clash": str(clash)})
         if "test" in given and not self.samples:
-            raise PydanticCustomError("rule", "'test: {test}' needs 'samples' (the per-window arrays it compares)",
+            raise PydanticCustomError(CUSTOM, "'test: {test}' needs 'samples' (the per-window arrays it compares)",
                                       {"test": self.test})
         return self
 
 
-class NoiseFloor(_Schema):
+class NoiseFloor(Schema):
     """`gate.noise_floor`: the run-key glob of the noise-floor runs."""
 
     runs: StrictStr | None = None
 
 
-class Gate(_Schema):
+class Gate(Schema):
     """The `gate:` section (module docstring)."""
 
     alpha: Annotated[Number, Field(gt=0, lt=1)] = 0.05
@@ -215,59 +209,6 @@ _NEEDS = {
     "noise_floor": "a mapping like {runs: '*__bf16__*'}",
     "rules": "a list of rules",
 }
-_KEYS = {Gate: list(GATE_KEYS), Rule: list(RULE_KEYS), NoiseFloor: list(NOISE_FLOOR_KEYS)}
-
-
-def _path(loc: tuple) -> str:
-    """A pydantic error location as the suite's key path: ('rules', 1, 'abs_tol') -> 'gate.rules[1].abs_tol'."""
-    out = "gate"
-    for part in loc:
-        if part in ("int", "float", "str") or (isinstance(part, str) and part.startswith(("constrained-", "Strict"))):
-            continue  # pydantic's name of a member of a union, not a key
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
-
-
-def _messages(exc: ValidationError, raw: dict[str, Any]) -> list[str]:
-    """Each refused key of a `gate:` section as one message (unknown keys of one mapping together), in the
-    schema's words: the key path, what it must be, the value given."""
-    out: dict[str, None] = {}
-    unknown: dict[str, list[str]] = {}
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        keys = [p for p in loc if isinstance(p, str)]
-        if err["type"] == "extra_forbidden":
-            unknown.setdefault(_path(loc[:-1]), []).append(str(loc[-1]))
-            continue
-        at = _path(loc)
-        if err["type"] == "rule":
-            out[f"{at}: {err['msg']}"] = None
-        elif err["type"] == "missing" and keys[-1:] == ["metric"]:
-            out[f"{_path(loc[:-1])} must be a mapping with a 'metric' glob, got {_at(raw, loc[:-1])!r}"] = None
-        elif err["type"] in ("model_type", "model_attributes_type", "dict_type") and len(loc) == 2:
-            out[f"{at} must be a mapping with a 'metric' glob, got {err['input']!r}"] = None
-        elif err["type"] == "literal_error":
-            out[f"{at} must be one of {err['ctx']['expected']}, got {err['input']!r}"] = None
-        else:
-            key = next((p for p in reversed(keys) if p in _NEEDS), None)
-            need = _NEEDS[key] if key else err["msg"]
-            out[f"{at} must be {need}, got {_at(raw, loc)!r}"] = None
-    for at, names in unknown.items():
-        model = {"gate": Gate, "gate.noise_floor": NoiseFloor}.get(at, Rule)
-        out[f"{at}: unknown key(s) {names}; allowed: {_KEYS[model]}"] = None
-    return list(out)
-
-
-def _at(raw: Any, loc: tuple) -> Any:
-    """The value the user wrote at `loc` (a union's member names skipped)."""
-    for part in loc:
-        if isinstance(raw, dict) and part in raw:
-            raw = raw[part]
-        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
-            raw = raw[part]
-    return raw
-
-
 def validate_rules(gate_cfg: dict[str, Any] | None, where: str) -> dict[str, Any]:
     """Check a `gate:` section against the schema (`Gate`, `Rule`, `NoiseFloor`); returns {alpha, correction,
     noise_floor, rules} with defaults filled in, each rule as written.
@@ -286,7 +227,7 @@ def validate_rules(gate_cfg: dict[str, Any] | None, where: str) -> dict[str, Any
     try:
         gate = Gate.model_validate(raw)
     except ValidationError as exc:
-        raise ResultError("\n".join(f"{where}: {m}" for m in _messages(exc, raw))) from None
+        raise ResultError("\n".join(f"{where}: {m}" for m in messages(exc, raw, Gate, "gate", _NEEDS))) from None
     nf = raw.get("noise_floor") or {}
     runs = gate.noise_floor.runs if gate.noise_floor is not None else None
     for i, r in enumerate(gate.rules or []):
