@@ -7,7 +7,7 @@
     evalharness baseline update RESULTS_DIR [--baselines DIR] [--dry-run]
     evalharness log RESULTS_DIR [--tracking-uri URI] [--experiment NAME] [--force]
     evalharness recipes [NAME_OR_PATH]
-    evalharness selftest [--suite SUITE.yaml] [--out DIR] [--only ID,...] [--models NAME,...] [--set KEY=VALUE]...
+    evalharness selftest [--mutations] [--suite SUITE.yaml] [--out DIR] [--only ID,...] [--models NAME,...] [--set KEY=VALUE]...
     evalharness report RESULTS_DIR [--out DIR] [--history DIR...]
     evalharness trend RESULTS_DIR... [--out DIR] [--metric GLOB]...
 
@@ -123,6 +123,10 @@ def _add_issue8_parsers(sub) -> None:
                     help="suite overrides for every run (e.g. evals.ppl_kld.max_windows=8)")
     st.add_argument("--strict", action="store_true",
                     help="exit 1 unless every planted regression is caught (also those below the noise floor)")
+    st.add_argument("--mutations", action="store_true",
+                    help="plant the faults of suites/selftest/mutations.yaml (or --catalog) in the emulation, one "
+                         "at a time, and report per fault: caught or missed, by which metric and rule, its effect "
+                         "in noise floors and the windows an end-to-end rule needs (docs/guide/mutations.md)")
     rp = sub.add_parser("report", help="markdown report + PNG plots of a results dir")
     rp.add_argument("results", help="results directory written by `run`")
     rp.add_argument("--out", default=None, help="report directory (default: RESULTS/report)")
@@ -139,6 +143,15 @@ def _cmd_selftest(args) -> int:
     from evalharness.selftest import CATALOG, run_selftest, table
 
     split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
+    if args.mutations:
+        from evalharness.mutations import MUTATIONS
+        from evalharness.selftest_mutations import run_mutations, table as mutation_table
+
+        report = run_mutations(args.out, catalog=args.catalog or MUTATIONS, suite=args.suite, sets=args.sets,
+                               data_dir=args.data_dir, only=split(args.only), models=split(args.models))
+        print(mutation_table(report))
+        print(f"wrote {Path(args.out) / 'mutations.json'} and {Path(args.out) / 'mutations.md'}")
+        return 0 if report["passed_strict" if args.strict else "passed"] else 1
     report = run_selftest(args.suite, args.out, sets=args.sets, data_dir=args.data_dir,
                           catalog=args.catalog or CATALOG, only=split(args.only), models=split(args.models))
     print(table(report))
