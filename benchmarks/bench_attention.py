@@ -19,48 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def bench_ms(fn, rep: int = 50) -> float:
-    """Median milliseconds per call on the GPU: `benchmarks.bench_gemm.time_us` (CUDA events around each
-    call, L2 flushed before each, and the host held back first so that the call's own host work -- the
-    wrapper's argument checks and small copies, 0.3-0.6 ms here -- is not what gets timed). The plain
-    triton.testing.do_bench times that host work once kernels get shorter than it (H200, 2026-11-29: the FP8
-    decode at 0.17 ms measured 0.6 ms)."""
-    from benchmarks.bench_gemm import time_us
-
-    return time_us(fn, reps=rep) / 1e3
-
-
-class Report:
-    """Collects printed lines and JSON records."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.records: list[dict] = []
-
-    def say(self, s: str) -> None:
-        """Print and keep a line."""
-        print(s, flush=True)
-        self.lines.append(s)
-
-    def case(self, name: str, fn) -> None:
-        """Run one benchmark case; print the error and continue on failure."""
-        try:
-            fn()
-        except Exception as exc:  # a failing case must not abort the others
-            self.say(f"{name}: FAILED {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            self.records.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
+from benchmarks.common import Report, copy_ceiling, fingerprint, time_us  # noqa: E402
 
 
 def fill_cache(cache, batch: int, context: int, chunk: int = 4096) -> None:
@@ -114,7 +81,7 @@ def bench_decode(rep: Report, args, copy_tbs: float) -> None:
                 fn = lambda: paged_decode_attention(q, cache, 0, block_n=bn, num_splits=splits,  # noqa: E731
                                                     num_warps=warps, num_stages=stages)
                 fn()
-                ms = bench_ms(fn)
+                ms = time_us(fn, reps=50) / 1e3
                 tbs = kv_bytes / (ms * 1e-3) / 1e12
                 rep.say(f"{name:7} {page:4d} {bn:7d} {str(splits or 'auto'):>6} {str(warps or 'auto'):>5} "
                         f"{str(stages or 'auto'):>6} "
@@ -135,7 +102,6 @@ def bench_decode(rep: Report, args, copy_tbs: float) -> None:
             rep.records.append({"case": f"decode {name} check", "rel_err_vs_prefill": err})
 
         rep.case(f"decode {name} check", check)
-        del cache
         torch.cuda.empty_cache()
 
     def sdpa():
@@ -143,7 +109,7 @@ def bench_decode(rep: Report, args, copy_tbs: float) -> None:
         v = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
         fn()
-        ms = bench_ms(fn)
+        ms = time_us(fn, reps=50) / 1e3
         nbytes = 2 * k.numel() * 2
         tbs = nbytes / (ms * 1e-3) / 1e12
         rep.say(f"torch SDPA bf16 contiguous K/V (enable_gqa): {ms * 1e3:.1f} us, {tbs:.2f} TB/s "
@@ -176,7 +142,7 @@ def bench_prefill(rep: Report, args) -> None:
     def sdpa():
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
         fn()
-        record("torch SDPA bf16 (is_causal)", bench_ms(fn, rep=100))
+        record("torch SDPA bf16 (is_causal)", time_us(fn, reps=100) / 1e3)
 
     rep.case("prefill sdpa", sdpa)
     ref = torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1], is_causal=True)
@@ -189,7 +155,7 @@ def bench_prefill(rep: Report, args) -> None:
                                          out_dtype=torch.bfloat16, num_warps=warps, num_stages=stages)
             out = fn()
             err = ((out[:1].float() - ref).abs().max() / ref.abs().max()).item()
-            record(name, bench_ms(fn, rep=100))
+            record(name, time_us(fn, reps=100) / 1e3)
             rep.say(f"{'':44} max rel err vs SDPA {err:.1e}")
 
         rep.case(name, one)
@@ -204,7 +170,7 @@ def bench_prefill(rep: Report, args) -> None:
                                      v_scale=vq.scale, block_m=128, block_n=64, out_quant="e4m3:1x128",
                                      num_warps=8, num_stages=3)
         fn()
-        record("triton FP8 in / FP8 1x128 out bm128 bn64", bench_ms(fn, rep=100))
+        record("triton FP8 in / FP8 1x128 out bm128 bn64", time_us(fn, reps=100) / 1e3)
 
     rep.case("prefill fp8", fp8)
     if "torch SDPA bf16 (is_causal)" in results:
@@ -227,29 +193,16 @@ def main() -> int:
         return 1
     rep = Report()
     t_start = time.time()
-    try:
-        from evalharness.provenance import hardware_fingerprint
-
-        fp = hardware_fingerprint("cuda")
-    except Exception as exc:  # the fingerprint is informative; the benchmark still runs without it
-        fp = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "error": repr(exc)}
+    fp = fingerprint()
     rep.say(json.dumps(fp))
-    big = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")  # 1 GiB
-    ms = bench_ms(lambda: big.clone())
-    copy_tbs = 2 * big.numel() * 2 / (ms * 1e-3) / 1e12
-    del big
+    copy_tbs = copy_ceiling()["tbs"]
     rep.say(f"HBM copy ceiling (read+write, 1 GiB clone): {copy_tbs:.2f} TB/s")
     if not args.skip_decode:
         bench_decode(rep, args, copy_tbs)
     if not args.skip_prefill:
         bench_prefill(rep, args)
     rep.say(f"\n(total {time.time() - t_start:.0f} s)")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_attention.txt").write_text("\n".join(rep.lines) + "\n")
-        Path(out, "bench_attention.json").write_text(json.dumps({"fingerprint": fp, "copy_tb_s": copy_tbs,
-                                                                 "results": rep.records}, indent=1))
+    rep.write("bench_attention", {"fingerprint": fp, "copy_tb_s": copy_tbs, "results": rep.records})
     return 0
 
 

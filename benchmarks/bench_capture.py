@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,18 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of fn() (synchronized)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+from benchmarks.common import Report, fingerprint, wall_s  # noqa: E402
 
 
 def main() -> None:
@@ -58,17 +45,12 @@ def main() -> None:
     from engine.loading import load_model
     from engine.model import Transformer
     from evalharness.evals.errorstats import ErrorAccumulator, _triton_fold
-    from evalharness.provenance import hardware_fingerprint
     from evalharness.reference import ReferenceLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lines: list[str] = []
-
-    def say(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    say(f"hardware: {json.dumps(hardware_fingerprint(device))}")
+    rep = Report()
+    say = rep.say
+    say(f"hardware: {json.dumps(fingerprint(device))}")
     stats_path = "Triton fold (2 launches/tap)" if device == "cuda" and _triton_fold() else "torch fold_reference"
     say(f"per-tap statistics: {stats_path}")
     loaded = load_model(args.model)
@@ -87,15 +69,15 @@ def main() -> None:
                 return
             acc.setdefault(name, ErrorAccumulator()).update(t, ref_taps[name])
 
-        off = timed(lambda: eng.logits(x), args.reps)
-        on = timed(lambda: eng.logits(x, tap=sink), args.reps)
+        off = wall_s(lambda: eng.logits(x), args.reps)
+        on = wall_s(lambda: eng.logits(x, tap=sink), args.reps)
         say(f"{recipe}: forward {off * 1e3:.1f} ms, with {len(acc)} taps captured {on * 1e3:.1f} ms: "
             f"overhead {on / off:.2f}x (target <= 1.5x)")
         result[f"{recipe}.capture_off_s"], result[f"{recipe}.capture_on_s"] = off, on
         result[f"{recipe}.overhead"] = on / off
 
     if args.no_matrix:
-        _write(result, lines)
+        rep.write("bench_capture", result)
         return
     if args.data_dir:
         corpus = Path(args.data_dir) / "text" / "simplebooks92" / "test.txt"
@@ -123,16 +105,7 @@ def main() -> None:
         f"{[round(d.get('timing', {}).get('ppl_kld_s', float('nan')), 2) for d in docs]}")
     result.update({"matrix_wall_s": wall, "reference_passes": passes, "reference_cache_hits": hits,
                    "statuses": [d["status"] for d in docs]})
-    _write(result, lines)
-
-
-def _write(result: dict, lines: list[str]) -> None:
-    """`$OUT/bench_capture.{json,txt}` when OUT is set."""
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_capture.json").write_text(json.dumps(result, indent=1))
-        Path(out, "bench_capture.txt").write_text("\n".join(lines) + "\n")
-
+    rep.write("bench_capture", result)
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Report, copy_ceiling, fingerprint  # noqa: E402
 
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -63,25 +64,6 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 204
              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def copy_bandwidth() -> float:
-    """HBM copy bandwidth (read + write) in bytes/s, measured now (the roofline's ceiling)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        torch.cuda.synchronize()
-        t.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * (1 << 30) / statistics.median(t)
-
-
 def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random fp32 weights on the GPU for every tensor the config expects (std 1/sqrt(fan_in); norms ~1)."""
     from engine.weights import expected_shapes
@@ -99,10 +81,9 @@ def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
 def _tensor_bytes(engine, name: str, w) -> int:
     """Storage bytes of one prepared weight: a cuda-native `NativeWeight` (GEMM weights, the head, the embedding
     table) as stored; a plain tensor (emulated backends hold fp32 values) at its recipe format's width."""
-    from engine.native import NativeWeight
     from engine.recipe import storage_bits
 
-    if isinstance(w, NativeWeight):
+    if hasattr(w, "storage_bytes"):  # a cuda-native prepared weight
         return w.storage_bytes()
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         site = "embed" if name.startswith("model.") else "lm_head"
@@ -250,7 +231,7 @@ def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m
     eng = Engine(model, recipe, backend="cuda-native", **opts)
     cfg = model.cfg
     toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
-    state = {}
+    state, rt = {}, None
     if runtime:
         from engine.runtime import PagedRuntime
         from engine.serving import ServingConfig
@@ -288,9 +269,7 @@ def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m
            "bytes_per_step": step_weight_bytes(eng, cfg, batch) + kvb,
            "coverage": {k: v for k, v in eng.nx.coverage_summary().items() if k.endswith("native_frac")},
            "profile": prof_text}
-    del eng, state
-    if runtime:
-        del rt
+    eng = state = rt = None  # release the engine (and its runtime) before the next configuration
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -331,7 +310,7 @@ def bench_transformers(hf_cfg: dict, batch: int, prompt: int, steps: int) -> dic
     kvb = hf_cfg["num_hidden_layers"] * hf_cfg["num_key_value_heads"] * (
         hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]) * 2 * 2 * batch * (
         prompt + steps // 2)
-    del model, state
+    model = state = None  # release the model before the next batch
     gc.collect()
     torch.cuda.empty_cache()
     return {"engine": "transformers/bf16", "batch": batch, "step_s": t, "step_pipelined_s": t_pipe,
@@ -371,7 +350,6 @@ def main() -> None:
     policy = P.DEFAULT_POLICY.with_configs(added) if added else None
     from engine.config import ModelConfig
     from engine.model import Transformer
-    from evalharness.provenance import hardware_fingerprint
 
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.moe:
@@ -381,16 +359,12 @@ def main() -> None:
     if args.layers:
         hf_cfg["num_hidden_layers"] = args.layers
     cfg = ModelConfig.from_hf(hf_cfg, where="bench_e2e")
-    lines: list[str] = []
-
-    def say(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    fp = hardware_fingerprint("cuda")
+    rep = Report()
+    say = rep.say
+    fp = fingerprint()
     say(f"hardware: {json.dumps(fp)}")
-    bw = copy_bandwidth()
-    say(f"HBM copy ceiling (measured now): {bw / 1e12:.2f} TB/s")
+    bw = copy_ceiling()["tbs"] * 1e12  # bytes/s
+    say(f"HBM copy ceiling (1 GiB clone, read + write, measured now): {bw / 1e12:.2f} TB/s")
     for key, knobs in added.items():
         say(f"decode entry added from {args.decode_configs}: {key} -> {knobs}")
     say(f"model: {label}-shaped, {cfg.num_layers} layers, random weights")
@@ -438,11 +412,7 @@ def main() -> None:
         say(f"{r['engine']:22s} {r['batch']:5d} {r['step_s'] * 1e3:9.2f} {r['tok_s']:9.1f} "
             f"{r['bytes_per_step'] / 1e9:8.2f} {r['roofline_frac']:8.1%} {r['step_pipelined_s'] * 1e3:8.2f} "
             f"{r['roofline_pipelined_frac']:9.1%}  {note}")
-    out = os.environ.get("OUT")
-    if out:
-        name = out_name
-        Path(out, f"{name}.json").write_text(json.dumps({"hardware": fp, "copy_bw": bw, "rows": rows}, indent=1))
-        Path(out, f"{name}.txt").write_text("\n".join(lines) + "\n")
+    rep.write(out_name, {"hardware": fp, "copy_bw": bw, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ a float64 reference at K = 1024 .. 16384 with M = N = 64 FP8-valued inputs.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
+import json
 import os
-import platform
 import sys
 import time
 
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
+from benchmarks.common import fingerprint  # noqa: E402
 from engine.formats import fake_quantize, matmul_accum, quantize  # noqa: E402
 
 SPECS = ["bf16", "fp16", "e4m3:tensor", "e4m3:channel", "e4m3:1x128", "e4m3:1x128:pow2",
@@ -33,28 +33,6 @@ SPECS = ["bf16", "fp16", "e4m3:tensor", "e4m3:channel", "e4m3:1x128", "e4m3:1x12
          "int8:channel", "int8:token"]
 ACCUMS = ["fp32", "tc14", "tc14:promote128"]
 KS = [1024, 2048, 4096, 8192, 16384]
-
-
-def fingerprint() -> str:
-    """CPU model, core count, torch/python versions and the UTC date."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    try:
-        load = "load avg %.1f/%.1f/%.1f" % os.getloadavg()
-    except OSError:
-        load = "load avg n/a"
-    return (f"cpu: {cpu} ({os.cpu_count()} logical cores, torch threads "
-            f"{torch.get_num_threads()}, {load} at the end; ms/quantize is wall time and "
-            f"inflates on a shared machine); torch {torch.__version__}; "
-            f"python {platform.python_version()}; date {now}")
 
 
 def make_data(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -154,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             "'rel err' = ||C - C_ref||_F / ||C_ref||_F on Gaussian data, 'max rel' = max "
             "elementwise |C - C_ref| / C_ref on uniform [0, 1) data:", ""]
     out += accum_table(64, 64, ks)
-    out += ["", f"Hardware: {fingerprint()}",
+    out += ["", f"Hardware: {json.dumps(fingerprint('cpu'))}; torch threads {torch.get_num_threads()}; "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (ms/quantize is wall time: it inflates on a "
+            "shared machine)",
             f"Total benchmark wall time: {time.perf_counter() - t0:.1f} s"]
     text = "\n".join(out) + "\n"
     print(text)

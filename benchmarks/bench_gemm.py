@@ -16,216 +16,40 @@ Sections (every case is independent: a failure is printed and the run continues)
    plus a split-K sweep at M = 1 for tuning;
 4. MX / NVFP4 dequant-in-kernel GEMMs at 4096^3 (TFLOP/s) and M = 1, 4096x4096 (us, TB/s).
 
-Timing: CUDA events around one call, after warm-up (which also runs any autotuning), with a
-256 MiB flush before every rep so weights come from HBM (cold L2, as in a real decode step), then a
-GPU-side sleep longer than the call's host time, so the whole call is queued before the start event
-runs and the events time GPU work only; the median of >= 20 reps is reported. Without the sleep, a
-wrapper whose Python work (validation, allocations, the autotuner's dispatch, a second launch for
-split-K) outlasts the flush is timed partly as CPU time (on the H200, 79.6 us for 4096x14336 M=1 where
-the split-K sweep of the same kernel and split, timed without that host work, showed ~40 us);
-benchmarks/tune_kernels.py times both ways side by side with the host time per call.
-The flush is a write ("dirty", the default, as `triton.testing.do_bench` flushes) or a read ("clean"):
-a written flush leaves ~50 MB of modified lines in L2, whose write-back the timed call pays -- for a
-read-only decode GEMM that is a third of its own traffic, which a real decode step does not have
-(`_evict_l2`; the decode section shows both).
+Timing: `benchmarks.common.time_us` (one call after an L2 flush, the host held back by a GPU sleep, CUDA events,
+median of the reps) and `graph_us` (back to back in a CUDA graph over weight copies). A written ("dirty") flush leaves
+~50 MB of modified lines in L2, whose write-back the timed call pays -- for a read-only decode GEMM that is a third of
+its own traffic, which a real decode step does not have; the decode section shows both flushes.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import statistics
 import sys
-import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPS = 25
-WARMUP = 5
+from benchmarks.common import (COPY_BYTES, DEVICE, FLUSHES, GRAPH_ROTATE_BYTES, Report, copy_ceiling,  # noqa: E402
+                               fingerprint, fp8_operand, graph_us, host_us, matmul_ceilings, read_ceiling, time_us)
+
 DECODE_SHAPES = [(28672, 4096), (4096, 14336), (7168, 16384)]  # (N, K)
 DECODE_M = [1, 4, 16]
 PREFILL = 8192  # M = N = K of the prefill GEMMs
 MX_SIZE = 4096  # N = K (and M of the large case) of the MX GEMMs
-FLUSH_BYTES = 256 * 2**20  # written or read before every timed rep: evicts L2 (50 MB on H200)
-GRAPH_ROTATE_BYTES = 320 * 2**20  # weight copies cycled through by the CUDA-graph decode timing
-COPY_BYTES = 2**30  # buffer of the HBM copy ceiling
-DEVICE = "cuda"
 TARGET_PREFILL_TFLOPS = 1200.0
 TARGET_DECODE_TBS = 3.0
 TARGET_DECODE_SPEEDUP = 1.6
-
-_flush = None
-_sleep_cycles_per_us: float | None = None
-
-
-def _gpu_sleep(us: float) -> None:
-    """Keep the GPU busy for ~us microseconds (torch.cuda._sleep, calibrated once; a big memset without it)."""
-    global _sleep_cycles_per_us
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is None:  # private API: fall back to GPU work of roughly that length (~4 bytes / ns)
-        torch.empty(int(us * 4e3), dtype=torch.uint8, device=DEVICE).zero_()
-        return
-    if _sleep_cycles_per_us is None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        sleep(1000)  # first launch
-        s.record()
-        sleep(2_000_000)
-        e.record()
-        torch.cuda.synchronize()
-        _sleep_cycles_per_us = 2_000_000 / max(s.elapsed_time(e) * 1e3, 1.0)
-    sleep(int(us * _sleep_cycles_per_us))
-
-
-try:  # the read ceiling's kernel; the benchmark itself needs a GPU, importing this module does not
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read_kernel(src_ptr, out_ptr, per_prog, BLOCK: tl.constexpr):
-        """Stream per_prog int32 words of one contiguous chunk per program; store their xor (keeps the loads)."""
-        base = src_ptr + tl.program_id(0).to(tl.int64) * per_prog
-        acc = tl.zeros((BLOCK,), dtype=tl.int32)
-        for i in tl.range(0, per_prog, BLOCK, num_stages=3):
-            acc ^= tl.load(base + i + tl.arange(0, BLOCK))
-        tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
-except ImportError:  # pragma: no cover
-    _read_kernel = None
-
-
-def read_ceiling(nbytes: int = COPY_BYTES) -> dict[str, Any]:
-    """HBM read bandwidth, clean-flushed L2: a streaming Triton read (16 KB per loop step, 1 MiB per program)
-    and torch's amax over the same buffer; the faster one is the ceiling of read-only kernels (decode GEMMs)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.int32, device=DEVICE)
-    per = 2**18  # words per program
-    out = torch.empty(buf.numel() // per, dtype=torch.int32, device=DEVICE)
-    t_tri = time_us(lambda: _read_kernel[(out.numel(),)](buf, out, per, BLOCK=4096, num_warps=8), reps=20,
-                    flush="clean")
-    t_amax = time_us(lambda: buf.amax(), reps=20, flush="clean")
-    return {"triton_tbs": nbytes / t_tri / 1e6, "amax_tbs": nbytes / t_amax / 1e6,
-            "tbs": nbytes / min(t_tri, t_amax) / 1e6}
-
-
-def host_us(fn: Callable[[], Any], n: int = 7) -> float:
-    """Median CPU microseconds of one fn() call without synchronizing (Python + launch overhead)."""
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
-FLUSHES = ("clean", "dirty")
-
-
-def _evict_l2(flush: str) -> None:
-    """Push the previous rep's lines out of L2 (50 MB on the H200) before a timed call.
-
-    "dirty": write FLUSH_BYTES (as `triton.testing.do_bench` does): L2 is left full of modified lines, and the timed
-    call pays their write-back to HBM -- up to ~50 MB of extra traffic a real decode step never has.
-    "clean": read FLUSH_BYTES (an amax over it): L2 is left full of clean lines that are dropped for free,
-    the state a decode step's GEMV finds (the previous kernels read weights and wrote KBs)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
-    if flush == "dirty":
-        _flush.zero_()
-    elif flush == "clean":
-        _flush.amax()
-    else:
-        raise ValueError(f"flush={flush!r}: use one of {FLUSHES}")
-
-
-def time_us(fn: Callable[[], Any], reps: int = REPS, warmup: int = WARMUP, shield: bool = True,
-            flush: str = "dirty") -> float:
-    """Median GPU microseconds of fn() (CUDA events; L2 flushed before each rep, `flush` as in `_evict_l2`;
-    see the module docstring).
-
-    shield=False is the pre-fix methodology (flush only), kept to show the host-time artefact."""
-    for _ in range(warmup):
-        fn()
-    _evict_l2(flush)  # the first clean flush also writes back what allocating the flush buffer left dirty
-    torch.cuda.synchronize()
-    sleep_us = min(5000.0, max(100.0, 2.0 * host_us(fn, 3))) if shield else 0.0
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        _evict_l2(flush)
-        if shield:
-            _gpu_sleep(sleep_us)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
-
-
-def graph_us(fn: Callable[[], Any] | Sequence[Callable[[], Any]], n: int = 64, reps: int = 20) -> float:
-    """Median microseconds per call over CUDA-graph replays of n back-to-back calls, as in a captured decode step
-    (launch gaps included; PDL edges where the kernels launch with it). A list of callables is cycled through --
-    e.g. one per copy of a weight, so that each call reads what the previous calls evicted from L2."""
-    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compilation, autotuning) outside the capture
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(ts)
-
-
-def fingerprint() -> dict[str, Any]:
-    """GPU name, compute capability, driver, torch / CUDA / Triton versions."""
-    try:
-        from evalharness.provenance import hardware_fingerprint
-
-        return hardware_fingerprint("cuda")
-    except Exception as exc:  # the harness package is optional here: fall back to the basics
-        import triton
-
-        p = torch.cuda.get_device_properties(0)
-        return {"gpu": p.name, "compute_capability": f"{p.major}.{p.minor}", "torch": torch.__version__,
-                "cuda": torch.version.cuda, "triton": triton.__version__, "driver": None,
-                "fingerprint_error": repr(exc)}
-
-
-def _finite(obj: Any) -> Any:
-    """NaN / Inf floats -> None, recursively (strict JSON)."""
-    if isinstance(obj, float) and obj != obj or obj in (float("inf"), float("-inf")):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def fp8_block_operands(m: int, n: int, k: int, seed: int = 0):
     """Random e4m3:1x128 activations / e4m3:128x128 weights (values only need to be realistic, not quantized)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    xd = (torch.randn(m, k, device=DEVICE, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    wd = (torch.randn(n, k, device=DEVICE, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # e4m3fn casts overflow to NaN
+    xd, wd = fp8_operand(m, k, g), fp8_operand(n, k, g)
     xs = torch.rand(m, -(-k // 128), device=DEVICE, generator=g) * 1e-2 + 1e-3
     ws = torch.rand(-(-n // 128), -(-k // 128), device=DEVICE, generator=g) * 1e-3 + 1e-4
     return xd, xs, wd, ws
@@ -245,24 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: unknown section(s) {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
     from engine.kernels import gemm as G
 
-    lines: list[str] = []
-    rows: list[dict[str, Any]] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    rep = Report()
+    say = rep.say
 
     def case(section: str, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-        try:
-            r = fn()
-        except Exception as exc:  # one failing case must not abort the others
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            say(f"  {name:44} FAILED {msg}")
-            traceback.print_exc(limit=3)
-            rows.append({"section": section, "case": name, "error": msg})
-            return None
-        r.update(section=section, case=name)
-        rows.append(r)
+        r = rep.case(name, fn, section=section)
+        if r is not None:
+            r.update(section=section, case=name)
+            rep.records.append(r)
         return r
 
     fp = fingerprint()
@@ -272,11 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- 1. ceilings
     say("\n## ceilings")
-    def copy_ceiling() -> dict[str, Any]:
-        big = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=DEVICE)
-        t = time_us(lambda: big.clone(), reps=20)
-        return {"us": t, "tbs": 2 * big.numel() * 2 / (t * 1e-6) / 1e12}
-
     r = case("ceiling", "hbm_copy", copy_ceiling)
     copy_tbs = r["tbs"] if r else float("nan")
     say(f"  HBM copy ({COPY_BYTES / 2**30:g} GiB clone, read+write): {copy_tbs:.2f} TB/s")
@@ -293,13 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_section(say, case, G, copy_tbs, read_tbs)
     if "mx" in only:
         mx_section(say, case, G, copy_tbs)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "bench_gemm.txt").write_text("\n".join(lines) + "\n")
-        payload = _finite({"fingerprint": fp, "copy_tbs": copy_tbs, "read_tbs": read_tbs, "rows": rows})
-        (Path(out_dir) / "bench_gemm.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        say(f"\nwrote {out_dir}/bench_gemm.json and bench_gemm.txt")
+    rep.write("bench_gemm", {"fingerprint": fp, "copy_tbs": copy_tbs, "read_tbs": read_tbs, "rows": rep.records})
     return 0
 
 
@@ -309,9 +112,6 @@ def prefill_section(say, case, G) -> None:
     m = n = k = PREFILL
     flops = 2.0 * m * n * k
     xd, xs, wd, ws = fp8_block_operands(m, n, k)
-    a16 = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    b16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
-    one = torch.ones((), device=DEVICE)
     prefill = {}
 
     def prefill_case(name, fn):
@@ -323,9 +123,18 @@ def prefill_section(say, case, G) -> None:
             prefill[name] = r["tflops"]
             say(f"  {name:44} {r['us']:9.1f} us {r['tflops']:8.1f} TFLOP/s")
 
-    prefill_case("bf16 torch.mm", lambda: torch.mm(a16, b16.t()))
-    prefill_case("fp8 per-tensor torch._scaled_mm", lambda: torch._scaled_mm(xd, wd.t(), scale_a=one, scale_b=one,
-                                                                          out_dtype=torch.bfloat16))
+    ceil = matmul_ceilings(m, n, k, ("bf16", "fp8_tensor"))  # the ceilings: cuBLAS bf16 and per-tensor FP8
+
+    def measured(c: dict) -> dict:
+        if "error" in c:
+            raise RuntimeError(c["error"])
+        return dict(c)
+
+    for kind, name in (("bf16", "bf16 torch.mm"), ("fp8_tensor", "fp8 per-tensor torch._scaled_mm")):
+        r = case("prefill", name, lambda c=ceil[kind]: measured(c))
+        if r:
+            prefill[name] = r["tflops"]
+            say(f"  {name:44} {r['us']:9.1f} us {r['tflops']:8.1f} TFLOP/s")
     prefill_case("fp8 block scaled_mm_blockwise (cuBLAS)", lambda: G.scaled_mm_blockwise(xd, xs, wd, ws))
     prefill_case("fp8 block fp8_block_linear", lambda: G.fp8_block_linear(xd, xs, wd, ws))
     prefill_case("fp8 block Triton fallback", lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws))
@@ -335,7 +144,6 @@ def prefill_section(say, case, G) -> None:
         say(f"  -> FP8 block {blk:.0f} TFLOP/s: {'MEETS' if blk >= TARGET_PREFILL_TFLOPS else 'BELOW'} target "
             f"{TARGET_PREFILL_TFLOPS:.0f}; {blk / prefill.get('bf16 torch.mm', float('nan')):.2f}x bf16"
             + (f"; {100 * blk / ref:.0f}% of per-tensor FP8" if ref else ""))
-    del xd, xs, wd, ws, a16, b16
 
 
 
@@ -345,7 +153,7 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
     Each case is timed three ways: per call in a CUDA graph of 48 back-to-back calls that cycle through copies
     of the weights (GRAPH_ROTATE_BYTES in all, so no call finds its weights in L2), as the engine's captured
     decode step runs them -- the acceptance timing: launches overlap (PDL, back-to-back launches) for bf16 and
-    FP8 alike; one call after a clean L2 flush (`_evict_l2`), which adds each call's own launch and ramp, shown
+    FP8 alike; one call after a clean L2 flush (`common.evict_l2`), which adds each call's own launch and ramp, shown
     as well; and one call after a dirty flush, which also charges the call the write-back of ~50 MB of L2 lines
     it never wrote."""
     from engine.kernels import gemm_wgmma as gw
@@ -443,7 +251,6 @@ def decode_section(say, case, G, copy_tbs: float, read_tbs: float) -> None:
                                   "n": n, "k": k, "split_k": s})
             parts.append(f"{s}{'*' if s == splits_h else ''}: {r['us']:.1f}" if r else f"{s}: failed")
         say(f"  {n:>5}x{k:<7} " + "  ".join(parts))
-        del wd, ws
 
 
 

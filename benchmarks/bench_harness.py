@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_e2e import LLAMA3_8B, QWEN3_MOE  # noqa: E402
+from benchmarks.common import fingerprint, wall_s  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # A small Llama shape to check the benchmark itself (`--model tiny --device cpu --suite suites/evals.yaml`).
@@ -51,25 +51,6 @@ MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "qwen3-30b-a3b": ("Qwen3-30B-A
           "tiny": ("Tiny-Llama", TINY)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EVAL_ORDER = ("layer_error", "ppl_kld", "tasks", "longctx")
-
-
-def _sync() -> None:
-    """Wait for the GPU, if there is one."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _sync_time(fn, reps: int = 3) -> float:
-    """Median wall seconds of `fn()` over `reps` calls after one warm-up, the GPU synchronized around each."""
-    fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build_checkpoint(shape: dict, layers: int, path: Path, device: str, seed: int = 0) -> float:
@@ -106,13 +87,13 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
     prompts = [torch.randint(0, 4096, (512,), generator=g).tolist() for _ in range(max(batches))]
     out: dict = {"vocab": vocab, "forward_tokens": x.numel(), "engine": {}}
     ref = ReferenceLM(loaded, device=device)
-    out["reference"] = {"forward_s_per_token": _sync_time(lambda r=ref: r.logits(x)) / x.numel(),
+    out["reference"] = {"forward_s_per_token": wall_s(lambda r=ref: r.logits(x)) / x.numel(),
                         "decode_s": {b: ref_decode_step(ref, prompts[:b]) for b in batches}}
     model = Transformer(loaded.cfg, loaded.weights).to(device)
     cuda = device == "cuda"
     for recipe in recipes:
         eng = Engine(model, recipe, backend="cuda-native" if cuda else "cpu-emulated")
-        fwd = _sync_time(lambda e=eng: e.logits(x)) / x.numel()
+        fwd = wall_s(lambda e=eng: e.logits(x)) / x.numel()
         dec = {}
         for b in batches:
             rt = PagedRuntime(eng, ServingConfig(kv_block_size=64, max_batch=b, max_tokens=1024, cuda_graphs=cuda))
@@ -121,7 +102,7 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
             ids = torch.arange(b, device=device)
             start = torch.full((b,), 512, dtype=torch.long, device=device)
             tok = torch.ones((b, 1), dtype=torch.long, device=device)
-            dec[b] = _sync_time(lambda r=rt: [r._decode(tok, ids, start) for _ in range(32)]) / 32
+            dec[b] = wall_s(lambda r=rt: [r._decode(tok, ids, start) for _ in range(32)]) / 32
             del rt
         out["engine"][recipe] = {"forward_s_per_token": fwd, "decode_s": dec}
         del eng
@@ -148,7 +129,7 @@ def ref_decode_step(ref, prompts: list[list[int]]) -> float:
         for _ in range(8):
             ref.model(input_ids=nxt, **ref._cache_kwargs(cache))
 
-    return _sync_time(steps, reps=2) / 8
+    return wall_s(steps, reps=2) / 8
 
 
 def floor_seconds(work: dict[str, int], unit: dict) -> float:
@@ -263,7 +244,6 @@ def main() -> None:
         sys.exit("bench_harness: needs a CUDA GPU (or --device cpu --model tiny to check the script)")
     if not args.data_dir:
         sys.exit("bench_harness: needs the shared data (--data-dir or $EVALHARNESS_DATA_DIR)")
-    from evalharness.provenance import hardware_fingerprint
     from evalharness.runner import run_suite
     from evalharness.suite import load_suite
 
@@ -277,7 +257,7 @@ def main() -> None:
     ckpt = work / "checkpoint"
     backend = "cuda-native" if args.device == "cuda" else "cpu-emulated"
     out_lines = [f"bench_harness: {label} ({layers} layers), random weights, {backend}; evals of {args.suite}",
-                 json.dumps(hardware_fingerprint(args.device))]
+                 json.dumps(fingerprint(args.device))]
     print("\n".join(out_lines), flush=True)
     build_s = build_checkpoint(shape, layers, ckpt, args.device)
     ckpt_gib = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**30
@@ -325,7 +305,7 @@ def main() -> None:
                      f"(FP32 reference and engine resident together; FP32 weights {ckpt_gib * 2:.1f} GiB)")
     print("\n".join(out_lines[-len(lines) - 1:]), flush=True)
     out = {"model": label, "layers": layers, "suite": args.suite, "recipes": recipes,
-           "fingerprint": hardware_fingerprint(args.device), "checkpoint_gib": ckpt_gib, "build_s": build_s,
+           "fingerprint": fingerprint(args.device), "checkpoint_gib": ckpt_gib, "build_s": build_s,
            "load_s": load_s, "units": units, "suite_wall_s": wall, "peak_gpu_gib": peak, **summary,
            "timing": {d["run_key"]: d["timing"] for d in docs}}
     if args.out:

@@ -223,7 +223,7 @@ def main() -> int:
 
     import torch
 
-    from evalharness.provenance import hardware_fingerprint
+    from benchmarks.common import Report, fingerprint
 
     cuda = torch.cuda.is_available()
     tmp = None
@@ -232,13 +232,9 @@ def main() -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="bench_loading_")
         folder = Path(tmp.name) / "ckpt"
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    fp = hardware_fingerprint("cuda" if cuda else "cpu")
+    rep = Report()
+    say = rep.say
+    fp = fingerprint("cuda" if cuda else "cpu")
     say(f"# bench_loading  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     say("fingerprint: " + json.dumps(fp, sort_keys=True))
     try:
@@ -305,11 +301,7 @@ def main() -> int:
                                              "vocab": args.vocab}, "target_x": TARGET,
            "baseline_rss_bytes": base, "cases": summary,
            "failed": {c: r["error"] for c, r in results.items() if "error" in r}}
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench_loading.json").write_text(json.dumps(doc, indent=1))
-        (Path(out) / "bench_loading.txt").write_text("\n".join(lines) + "\n")
+    rep.write("bench_loading", doc)
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -5,7 +5,8 @@
 Part 1, grouped GEMM, 8 experts x 2048 tokens, K = N = 4096 (target >= 1000 TFLOP/s):
 row-wise FP8 `torch._scaled_grouped_mm`, the Triton blockwise (1x128 x 128x128)
 grouped kernel under a few tile configs, bf16 `torch._grouped_mm`; ceilings: a
-dense row-wise FP8 `torch._scaled_mm` and a bf16 `mm` of the same total shape.
+dense row-wise FP8 `torch._scaled_mm` and a bf16 `mm` of the same total shape (`common.matmul_ceilings`).
+Timing: `common.time_us` (CUDA events, L2 written before each call, host shielded; median).
 
 Part 2, one MoE layer, top-8 routing of 1024 tokens over 64 experts (128
 copies per expert, balanced), d = 2048, inter = 1408: the sorted dispatch
@@ -18,10 +19,9 @@ reference point. Every case is caught on failure so the others still run.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -29,31 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LINES: list[str] = []
-RESULTS: dict = {"grouped_gemm": [], "moe_layer": [], "dispatch": [], "errors": []}
+from benchmarks.common import Report, fingerprint, matmul_ceilings, time_us  # noqa: E402
+
+REPORT = Report()
+say = REPORT.say
+RESULTS: dict = {"grouped_gemm": [], "moe_layer": [], "dispatch": [], "errors": REPORT.records}
 
 
-def say(s: str) -> None:
-    """Print and keep the line for the .txt output."""
-    print(s, flush=True)
-    LINES.append(s)
-
-
-def bench(fn: Callable, rep: int = 40) -> float:
-    """Mean milliseconds per call (CUDA events, after warm-up)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep))
-
-
-def guarded(name: str, fn: Callable) -> None:
-    """Run one case; on failure print the error and continue with the next."""
-    try:
-        fn()
-    except Exception as exc:  # a benchmark must report every case it can
-        say(f"  {name}: FAILED {type(exc).__name__}: {exc}")
-        RESULTS["errors"].append({"case": name, "error": f"{type(exc).__name__}: {exc}",
-                                  "trace": traceback.format_exc(limit=3)})
+def bench(fn: Callable, reps: int = 25) -> float:
+    """Median milliseconds per call (`common.time_us`: CUDA events, L2 written before each call, host shielded)."""
+    return time_us(fn, reps=reps) / 1e3
 
 
 def _block_weights(e: int, n: int, k: int, gen: torch.Generator):
@@ -82,25 +67,14 @@ def _act(m: int, k: int, gen: torch.Generator):
 def ceilings(m: int, n: int, k: int) -> dict:
     """Dense row-wise FP8 `_scaled_mm` and bf16 mm of shape (m, n, k) in this run: TFLOP/s."""
     out = {}
-    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-    sa = torch.rand(m, 1, device="cuda") + 0.5
-    sb = torch.rand(1, n, device="cuda") + 0.5
-    flops = 2.0 * m * n * k
-
-    def fp8():
-        t = bench(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16))
-        out["fp8_rowwise_scaled_mm"] = tf = flops / t / 1e9
-        say(f"  ceiling dense FP8 row-wise _scaled_mm {m}x{n}x{k}: {t * 1e3:.1f} us, {tf:.0f} TFLOP/s")
-
-    def bf16():
-        ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
-        t = bench(lambda: ab @ bb.t())
-        out["bf16_mm"] = tf = flops / t / 1e9
-        say(f"  ceiling dense bf16 mm {m}x{n}x{k}: {t * 1e3:.1f} us, {tf:.0f} TFLOP/s")
-
-    guarded("ceiling fp8", fp8)
-    guarded("ceiling bf16", bf16)
+    for kind, name, label in (("fp8_rowwise", "fp8_rowwise_scaled_mm", "FP8 row-wise _scaled_mm"),
+                              ("bf16", "bf16_mm", "bf16 mm")):
+        c = matmul_ceilings(m, n, k, (kind,))[kind]
+        if "error" in c:
+            say(f"  ceiling {label}: FAILED {c['error']}")
+            continue
+        out[name] = c["tflops"]
+        say(f"  ceiling dense {label} {m}x{n}x{k}: {c['us']:.1f} us, {c['tflops']:.0f} TFLOP/s")
     return out
 
 
@@ -143,12 +117,12 @@ def part_grouped_gemm(gen: torch.Generator) -> None:
         wt = wbf.transpose(1, 2)  # (E, K, N) view of the (E, N, K) weights
         record("bf16 torch._grouped_mm", bench(lambda: torch._grouped_mm(xb, wt, offs=offsets[1:])), "bf16_mm")
 
-    guarded("rowwise grouped", rowwise)
+    REPORT.case("rowwise grouped", rowwise)
     for cfg in (dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4),
                 dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3),
                 dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=4)):
-        guarded(f"triton block {cfg}", triton_block(cfg))
-    guarded("bf16 grouped", bf16)
+        REPORT.case(f"triton block {cfg}", triton_block(cfg))
+    REPORT.case("bf16 grouped", bf16)
 
 
 def _balanced_ids(tokens: int, experts: int, k: int, gen: torch.Generator):
@@ -193,14 +167,14 @@ def part_moe_layer(gen: torch.Generator) -> None:
                 tok, _ = torch.nonzero(ids == ex, as_tuple=True)
                 if tok.numel():
                     raw.index_select(0, tok).view(FP8), xs.index_select(0, tok)
-        t = bench(loop, rep=20)
+        t = bench(loop, reps=10)
         say(f"  dispatch, unsorted (per expert: mask, nonzero (sync), gather): {t * 1e3:8.1f} us")
         RESULTS["dispatch"].append({"case": "unsorted", "us": t * 1e3})
 
-    def layer(name: str, fn: Callable, rep: int = 40):
+    def layer(name: str, fn: Callable, reps: int = 25):
         def run():
             fn()
-            record("moe_layer", name, bench(fn, rep=rep))
+            record("moe_layer", name, bench(fn, reps=reps))
         return run
 
     def bf16_layer():
@@ -217,11 +191,11 @@ def part_moe_layer(gen: torch.Generator) -> None:
         run()
         record("moe_layer", "bf16 torch._grouped_mm layer (sorted)", bench(run))
 
-    guarded("dispatch sorted", dispatch_sorted)
-    guarded("dispatch unsorted", dispatch_unsorted)
-    guarded("sorted block", layer("FP8 sorted, grouped Triton blockwise",
+    REPORT.case("dispatch sorted", dispatch_sorted)
+    REPORT.case("dispatch unsorted", dispatch_unsorted)
+    REPORT.case("sorted block", layer("FP8 sorted, grouped Triton blockwise",
                                   lambda: grouped_fp8_moe(xd, xs, wg, wu, wd, weights, ids, mode="block")))
-    guarded("unsorted block", layer("FP8 unsorted, per-expert Triton blockwise",
+    REPORT.case("unsorted block", layer("FP8 unsorted, per-expert Triton blockwise",
                                     lambda: unsorted_fp8_moe(xd, xs, wg, wu, wd, weights, ids, mode="block"), 20))
 
     def rowwise_cases():
@@ -231,8 +205,8 @@ def part_moe_layer(gen: torch.Generator) -> None:
         layer("FP8 unsorted, per-expert row-wise",
               lambda: unsorted_fp8_moe(xd, xs, *rw["w"], weights, ids, mode="rowwise"), 20)()
 
-    guarded("rowwise layer", rowwise_cases)
-    guarded("bf16 layer", bf16_layer)
+    REPORT.case("rowwise layer", rowwise_cases)
+    REPORT.case("bf16 layer", bf16_layer)
     by = {r["case"]: r["us"] for r in RESULTS["moe_layer"]}
     disp = {r["case"]: r["us"] for r in RESULTS["dispatch"]}
     for kind in ("Triton blockwise", "row-wise"):
@@ -249,29 +223,16 @@ def part_moe_layer(gen: torch.Generator) -> None:
 
 def main() -> None:
     """Run both parts, print achieved vs ceilings, write $OUT/bench_moe.{json,txt}."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU")
         return
-    try:
-        from evalharness.provenance import hardware_fingerprint
-
-        fp = hardware_fingerprint("cuda")
-    except Exception as exc:  # the fingerprint must not stop the benchmark
-        props = torch.cuda.get_device_properties(0)
-        fp = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
-              "fingerprint_error": str(exc)}
-    RESULTS["hardware"] = fp
+    RESULTS["hardware"] = fp = fingerprint()
     say("hardware: " + json.dumps(fp))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    guarded("part 1", lambda: part_grouped_gemm(gen))
-    guarded("part 2", lambda: part_moe_layer(gen))
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_moe.json").write_text(json.dumps(RESULTS, indent=2, default=str))
-        Path(out, "bench_moe.txt").write_text("\n".join(LINES) + "\n")
-        print(f"wrote {out}/bench_moe.json and bench_moe.txt")
-
+    REPORT.case("part 1", lambda: part_grouped_gemm(gen))
+    REPORT.case("part 2", lambda: part_moe_layer(gen))
+    REPORT.write("bench_moe", RESULTS)
 
 if __name__ == "__main__":
     main()

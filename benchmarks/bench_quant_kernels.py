@@ -9,7 +9,7 @@ large buffer, read + write), and for each kernel the time, the bytes moved
 (input read + FP8 data + fp32 scales written) and TB/s, next to the eager
 torch path (formats library) that the kernel replaces.
 
-Timing: `benchmarks.bench_gemm.time_us` (median of CUDA-event reps, L2 flushed
+Timing: `benchmarks.common.time_us` (median of CUDA-event reps, L2 flushed
 before each, host time shielded). Every kernel is timed after a dirty flush
 (a 256 MiB write, as `triton.testing.do_bench` flushes: the call also pays the
 write-back of ~50 MB of L2 lines it never wrote; the TB/s shown first) and after
@@ -21,16 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Report, copy_ceiling, fingerprint, time_us  # noqa: E402
 
 
 def bench(fn, reps: int = 30, flush: str = "dirty") -> float:
-    """Median milliseconds per call (`bench_gemm.time_us`: CUDA events, flushed L2, host time shielded)."""
-    from benchmarks.bench_gemm import time_us
-
+    """Median milliseconds per call (`common.time_us`: CUDA events, flushed L2, host time shielded)."""
     return time_us(fn, reps=reps, warmup=3, flush=flush) / 1e3
 
 
@@ -43,19 +44,12 @@ def main() -> None:
     args = ap.parse_args()
     from engine.kernels.quant import (act_quant, act_quant_reference, rmsnorm_quant, rmsnorm_quant_reference,
                                       swiglu_quant, swiglu_quant_reference)
-    from evalharness.provenance import hardware_fingerprint
 
-    lines = []
-
-    def say(s: str) -> None:
-        print(s)
-        lines.append(s)
-
-    say(json.dumps(hardware_fingerprint("cuda")))
+    rep = Report()
+    say = rep.say
+    say(json.dumps(fingerprint()))
     m, k = args.rows, args.k
-    big = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")  # 1 GiB
-    t_copy = bench(lambda: big.clone())
-    peak = 2 * big.numel() * 2 / (t_copy * 1e-3) / 1e12
+    peak = copy_ceiling()["tbs"]
     say(f"HBM copy ceiling (read+write, 1 GiB clone): {peak:.2f} TB/s")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -95,8 +89,7 @@ def main() -> None:
         say(f"{name:22} {t:8.3f} {tbs:7.2f} {100 * tbs / peak:8.1f}% | {tc:8.3f} {nbytes / (tc * 1e-3) / 1e12:7.2f} | "
             f"{te:9.3f} {te / t:7.1f}x")
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        Path(args.out).write_text("\n".join(rep.lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import fingerprint  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
                      moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
@@ -121,8 +125,7 @@ def main() -> None:
     fig: dict = {"shape": "tiny" if args.tiny else "Qwen3-30B-A3B", "layers": layers, "params": sizes["params"],
                  "fp32_bytes": 4 * sizes["params"], "checkpoint_bf16_bytes": sizes["bf16_bytes"],
                  "write_s": round(write_s, 1), "backend": backend, "windows": args.windows, "seq_len": args.seq_len,
-                 "batch_size": args.batch_size, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
-                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+                 "batch_size": args.batch_size, "hardware": fingerprint(args.device), "date": time.strftime("%Y-%m-%d")}
     evals = {"layer_error": {"windows": args.windows, "seq_len": args.seq_len, "layer_local": True},
              "ppl_kld": {"seq_len": args.seq_len, "max_windows": args.windows}}
     for name, cfg in evals.items():

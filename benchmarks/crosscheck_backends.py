@@ -11,9 +11,9 @@ CPU-vs-GPU noise), which is what this measures.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 HEADLINE = ("ppl_kld.ppl_ref", "ppl_kld.kld_mean", "ppl_kld.top1_agree", "layer_error.logits.rel_l2")
@@ -31,7 +31,11 @@ def load(d: Path) -> dict[tuple[str, str, str], dict]:
 
 def main() -> None:
     """Print the comparison table."""
-    a_dir, b_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results_a", type=Path)
+    ap.add_argument("results_b", type=Path)
+    args = ap.parse_args()
+    a_dir, b_dir = args.results_a, args.results_b
     a, b = load(a_dir), load(b_dir)
     first = next(iter(a.values()))
     second = next(iter(b.values()))

@@ -11,6 +11,7 @@ per-tensor-K-scale variant (suites/selftest/). CPU, about a minute.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -25,15 +26,16 @@ sys.path.insert(0, str(REPO))
 
 def main() -> None:
     """Build the stress model, score the recipes, print the table."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     import safetensors.torch as st
 
     from engine.api import Engine
     from engine.loading import load_model
     from engine.model import Transformer
-    from evalharness.provenance import hardware_fingerprint
+    from benchmarks.common import fingerprint
     from tests.conftest import write_random_llama
 
-    print("machine:", json.dumps(hardware_fingerprint("cpu")))
+    print("machine:", json.dumps(fingerprint("cpu")))
     with tempfile.TemporaryDirectory() as tmp:
         d = write_random_llama(Path(tmp) / "stress", seed=3, vocab_size=512, hidden_size=128,
                                intermediate_size=8192, num_hidden_layers=2, num_attention_heads=4,

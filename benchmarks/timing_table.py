@@ -9,6 +9,7 @@ column per run, so the reference's one-off cost and each backend's cost per task
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -54,9 +55,12 @@ def tables(docs: list[dict]) -> str:
 
 def main() -> None:
     """Print the tables of the folder given on the command line."""
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python benchmarks/timing_table.py RESULTS_DIR (a folder of result JSON files)")
-    sys.stdout.write(tables(load(Path(sys.argv[1]))))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results_dir", type=Path, help="a folder of result JSON files")
+    folder = ap.parse_args().results_dir
+    if not folder.is_dir():
+        ap.error(f"{folder} is not a folder of result JSON files")
+    sys.stdout.write(tables(load(folder)))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Kernels and the wrapper keywords swept (issue 4 shapes):
 * gemm (`engine.kernels.gemm.fp8_block_gemm_triton`, M = 1 at N x K = 28672x4096, 4096x14336,
   7168x16384): block_n x split_k, then num_warps / num_stages and fused_reduce for the best two; the
   winner is re-timed at M = 4 and 16 next to the default dispatch. TB/s of weight bytes, x bf16 cuBLAS.
-  Plus a timing diagnostic of 4096x14336 M=1 through `fp8_block_linear` vs `fp8_block_gemm_triton`
-  (flush-only vs shielded timing, host microseconds per call).
 
 Correctness gate (a failing config is printed and dropped): act_quant / SwiGLU bit-exact vs the default
 tiling; RMSNorm >= 99.9% identical FP8 bytes and scales within 2e-6 of the default (tilings change
@@ -24,8 +22,8 @@ normed values; attention within the test tolerance (1.5e-2 of max |ref|) of the 
 within 1e-2 of the default config; GEMM within 5e-3 (relative Frobenius) of the default dispatch,
 the winner within 1e-2 of the float64 reference.
 
-Timing: `bench_gemm.time_us` (L2 flushed, then a GPU sleep longer than the call's host time, CUDA events,
-median of REPS) and `bench_gemm.host_us`. A time budget (--budget-s, default 330 s) is split over the
+Timing: `benchmarks.common.time_us` (L2 flushed, then a GPU sleep longer than the call's host time, CUDA events,
+median of REPS) and `common.host_us`. A time budget (--budget-s, default 330 s) is split over the
 sections; configs beyond it are listed as skipped. Without CUDA: prints "no CUDA: nothing to tune" and
 exits 0. Writes --out (default $OUT/tune_kernels.json when OUT is set) and a .txt of the printed lines.
 """
@@ -46,20 +44,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import Report, copy_ceiling, fingerprint, finite, host_us, sync, time_us  # noqa: E402
 from engine.kernels import sm_count  # noqa: E402
 
 REPS = 30
 WARMUP = 3
 SECTIONS = ("quant", "attention", "gemm")
 GEMM_SHAPES = [(28672, 4096), (4096, 14336), (7168, 16384)]
-DIAG_SHAPE = (4096, 14336)  # the shape of the timing diagnostic
 DEVICE = "cuda"
-
-
-def _sync() -> None:
-    """Wait for the device (no-op off CUDA)."""
-    if torch.device(DEVICE).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _device_name() -> str:
@@ -67,19 +59,14 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.device(DEVICE).type == "cuda" else ""
 
 
-class Log:
-    """Printed lines, measured rows and the chosen configs of one run."""
+class Log(Report):
+    """The run's report (printed lines, measured rows as `records`), the chosen configs and the advice."""
 
     def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.rows: list[dict[str, Any]] = []
+        super().__init__()
+        self.rows = self.records
         self.best: dict[str, Any] = {}
         self.advice: list[str] = []
-
-    def say(self, s: str = "") -> None:
-        """Print and keep a line."""
-        print(s, flush=True)
-        self.lines.append(s)
 
 
 class Section:
@@ -92,8 +79,6 @@ class Section:
     def run(self, kernel: str, cfg: dict[str, Any], fn: Callable[[], Any], check: Callable[[Any], tuple[bool, str]],
             nbytes: float, extra: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
         """Compile + check + time fn; print one table line; return the row (None when skipped / failed)."""
-        from benchmarks.bench_gemm import host_us, time_us
-
         label = " ".join(f"{k}={v}" for k, v in cfg.items()) or "(default dispatch)"
         if time.time() > self.deadline:
             self.skipped += 1
@@ -102,7 +87,7 @@ class Section:
         row: dict[str, Any] = {"section": self.name, "kernel": kernel, "cfg": cfg, **(extra or {})}
         try:
             out = fn()
-            _sync()
+            sync()
             ok, detail = check(out)
             row["check"] = detail
             if not ok:
@@ -135,15 +120,6 @@ def best_of(rows: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
     """The fastest ok row."""
     ok = [r for r in rows if r and r.get("status") == "ok"]
     return min(ok, key=lambda r: r["us"]) if ok else None
-
-
-def copy_ceiling() -> float:
-    """HBM copy TB/s (1 GiB clone, read + write), timed like every kernel here."""
-    from benchmarks.bench_gemm import time_us
-
-    big = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=DEVICE)
-    us = time_us(lambda: big.clone(), reps=10, warmup=2)
-    return 2 * big.numel() * 2 / (us * 1e-6) / 1e12
 
 
 # ------------------------------------------------------------------------------------------- quant
@@ -253,7 +229,6 @@ def _record_best(log: Log, name: str, best: Optional[dict[str, Any]], default: O
 def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int) -> None:
     """Paged FP8 decode attention: flags, tiles, splits."""
     from benchmarks.bench_attention import fill_cache
-    from benchmarks.bench_gemm import time_us
     from engine.kernels.paged_kv import (PagedKVCache, decode_plan, paged_decode_attention,
                                          paged_decode_attention_reference)
 
@@ -269,7 +244,7 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
                         generator=torch.Generator(device=DEVICE).manual_seed(1))
         ref = paged_decode_attention_reference(q, cache, 0)
         out0 = paged_decode_attention(q, cache, 0)
-        _sync()
+        sync()
         log.say(f"  (cache filled, reference computed in {time.time() - t0:.1f} s)")
     except Exception as exc:
         log.say(f"  setup FAILED {type(exc).__name__}: {exc}")
@@ -296,7 +271,7 @@ def tune_attention(log: Log, deadline: float, copy_tbs: float, b: int, ctx: int)
         sdpa = 2 * kk.numel() * 2 / (us * 1e-6) / 1e12
         log.say(f"  torch SDPA bf16 contiguous K/V: {us:.1f} us, {sdpa:.2f} TB/s ({100 * sdpa / copy_tbs:.0f}% of copy)")
         log.rows.append({"section": "attention", "kernel": "sdpa_bf16", "us": us, "tbs": sdpa})
-        del kk, vv
+        kk = vv = None
     except Exception as exc:
         log.say(f"  SDPA FAILED {type(exc).__name__}: {exc}")
 
@@ -355,7 +330,7 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
     """Decode FP8 block GEMM (Triton split-K) per shape: tiles x splits, then pipeline / fused reduce."""
     import torch.nn.functional as F
 
-    from benchmarks.bench_gemm import fp8_block_operands, host_us, time_us
+    from benchmarks.bench_gemm import fp8_block_operands
     from engine.kernels import gemm as G
     from engine.kernels import decode_plan as P
 
@@ -370,7 +345,7 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
             w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
             x16 = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
             t16 = time_us(lambda: F.linear(x16, w16))
-            del w16
+            w16 = None
             out0 = G.fp8_block_linear(xd, xs, wd, ws)
             ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)
         except Exception as exc:
@@ -437,32 +412,9 @@ def tune_gemm(log: Log, deadline: float, copy_tbs: float) -> None:
                               + json.dumps(dict(n=n, k=k, bm=16, knobs=knobs))
                               + f")  # {best['us']:.1f} us vs default {d['us']:.1f} us at M=1"
                               + (f"; SLOWER than the default at M={worse}: check per_m" if worse else ""))
-        if (n, k) == DIAG_SHAPE:
-            gemm_timing_diagnostic(log, G, xd, xs, wd, ws, time_us, host_us)
-        del wd, ws, xd, xs
         if torch.device(DEVICE).type == "cuda":
             torch.cuda.empty_cache()
     sec.note_skips()
-
-
-def gemm_timing_diagnostic(log: Log, G: Any, xd, xs, wd, ws, time_us, host_us) -> None:
-    """4096x14336 M=1 through fp8_block_linear and fp8_block_gemm_triton (split_k=8), timed with the flush only and
-    shielded, with their host time: flush-only timing counts a wrapper's host work (on the H200 79.6 us for the
-    first against ~40 us for the second, the same kernel and split)."""
-    log.say("  -- timing diagnostic, 4096x14336 M=1 (flush-only vs shielded timing)")
-    calls = {"fp8_block_linear (table)": lambda: G.fp8_block_linear(xd, xs, wd, ws),
-             "fp8_block_gemm_triton split_k=8 (sweep)": lambda: G.fp8_block_gemm_triton(xd, xs, wd, ws, split_k=8)}
-    for name, fn in calls.items():
-        try:
-            old = time_us(fn, shield=False)
-            new = time_us(fn)
-            h = host_us(fn, 9)
-            log.say(f"     {name:42} flush-only {old:6.1f} us | shielded {new:6.1f} us | host {h:5.0f} us/call")
-            log.rows.append({"section": "gemm", "kernel": "timing_diagnostic", "call": name, "flush_only_us": old,
-                             "shielded_us": new, "host_us": h})
-        except Exception as exc:
-            log.say(f"     {name}: FAILED {type(exc).__name__}: {exc}")
-    log.say("     (flush-only > shielded by about host - flush time => the old table timed host work)")
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -486,13 +438,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     t_start = time.time()
     log = Log()
-    from benchmarks.bench_gemm import fingerprint
-
     fp = fingerprint()
     log.say("# tune_kernels: knob sweeps of the Triton FP8 kernels")
     log.say(json.dumps(fp))
     try:
-        copy_tbs = copy_ceiling()
+        copy_tbs = copy_ceiling(reps=10)["tbs"]
     except Exception as exc:
         copy_tbs = float("nan")
         log.say(f"copy ceiling FAILED {type(exc).__name__}: {exc}")
@@ -534,21 +484,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         p = Path(out)
         p.parent.mkdir(parents=True, exist_ok=True)
         payload = {"fingerprint": fp, "copy_tbs": copy_tbs, "best": log.best, "advice": log.advice, "rows": log.rows}
-        p.write_text(json.dumps(_finite(payload), indent=1, default=str) + "\n")
+        p.write_text(json.dumps(finite(payload), indent=1, default=str) + "\n")
         p.with_suffix(".txt").write_text("\n".join(log.lines) + "\n")
         log.say(f"wrote {p} and {p.with_suffix('.txt')}")
     return 0
-
-
-def _finite(obj: Any) -> Any:
-    """NaN / Inf floats -> None, tuple keys -> strings, recursively (strict JSON)."""
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

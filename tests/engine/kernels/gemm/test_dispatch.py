@@ -26,6 +26,7 @@ from engine.kernels import splitk as SK
 from engine.kernels import gemm_wgmma as GW
 from tests.engine.kernels.gemm.common import TOL, TOL_INTERPRETER, Launch, block_operands, rel
 from tests.engine.kernels.gemm.common import zero_operands as _operands
+from tests.support import decode_rules as E
 
 GEMM_TOL = TOL[torch.float32]
 
@@ -290,12 +291,10 @@ def test_heuristic_wgmma_dispatch_and_fallback(monkeypatch, usable, opt_out):
 
 
 def test_the_wgmma_rule_scores_as_measured_on_the_committed_sweeps():
-    """benchmarks/split_rule_eval.py --wgmma on its four H200 sweeps (2026-11-30): the rule's pick is within 3% of the
-    best variant and at least 10% faster than the split-K heuristic (geometric means), at worst 12% slower than it; a
-    rule whose picks the sweeps did not time fails here."""
-    from benchmarks import split_rule_eval as E
-
-    for path in E.WGMMA_DEFAULT:
+    """The wgmma rule on its four H200 sweeps (2026-11-30, tests/data/decode_sweeps/): the rule's pick is within 3% of
+    the best variant and at least 10% faster than the split-K heuristic (geometric means), at worst 12% slower than it;
+    a rule whose picks the sweeps did not time fails here."""
+    for path in E.WGMMA_SWEEPS:
         sms, rows = E.read_sweep(path)
         assert sms == 132 and len(rows) >= 36
         s = E.score_wgmma(sms, rows, path)
@@ -305,33 +304,29 @@ def test_the_wgmma_rule_scores_as_measured_on_the_committed_sweeps():
 
 
 def test_the_heuristic_scores_as_measured_on_the_committed_sweep():
-    """benchmarks/split_rule_eval.py on its H200 sweep (2026-11-30): the rule in the code picks within 6% of the best
-    variant (geometric mean over 63 points, each tile height within 6%) and beats the old 2-per-SM rule; changing
-    SPLIT_FILL or the whole-K switch without a new sweep fails here."""
-    from benchmarks import split_rule_eval as E
-
-    sms, rows = E.read_sweep(E.DEFAULT)
+    """The split rule on its H200 sweep (2026-11-30, tests/data/decode_sweeps/): the rule in the code picks within 6% of
+    the best variant (geometric mean over 63 points, each tile height within 6%) and beats the old 2-per-SM rule;
+    changing SPLIT_FILL or the whole-K switch without a new sweep fails here."""
+    sms, rows = E.read_sweep(E.SPLIT_SWEEP)
     assert sms == 132 and len(rows) == 63
-    now = E.score(sms, rows, P.DEFAULT_POLICY.split_fill, P.DEFAULT_POLICY.whole_k_at_bm64)
-    old = E.score(sms, rows, 2.0, False)
+    now = E.score_splits(sms, rows, P.DEFAULT_POLICY.split_fill, P.DEFAULT_POLICY.whole_k_at_bm64)
+    old = E.score_splits(sms, rows, 2.0, False)
     assert all(g < 1.06 for g in now["geo"].values()) and now["worst"][0] < 1.4
     assert old["geo"]["all"] > 1.2 > now["geo"]["all"] * 1.1
 
 
-@pytest.mark.parametrize("module,reader,cases", [
-    ("split_rule_eval", "read_sweep", [("## decode\n  4096x4096 M=4 something\n", "other.txt: no '<n> SMs' header"),
+@pytest.mark.parametrize("reader,cases", [
+    ("read_sweep", [("## decode\n  4096x4096 M=4 something\n", "other.txt: no '<n> SMs' header"),
                                        ("## split rule ... 132 SMs\n", "no sweep rows")]),
-    ("stage_rule_eval", "read_probe", [
+    ("read_stage_sweep", [
         ("## split rule ... 132 SMs\n  4096x4096 M=4 BM=16 s2: | st3=1 st4=2 st6=3 |\n",
          "other.txt: no '## decode pipeline depth"),
         ("## decode pipeline depth: us per call, 132 SMs\n", "no probe rows"),
         ("## decode pipeline depth: us per call, 132 SMs\n  4096x 4096 M= 4 BM=16 s2: x | st3= 1.0 |\n",
          "lacks the st3 / st4 / st6 columns")])])
-def test_rule_evals_refuse_other_files(tmp_path, module, reader, cases):
+def test_rule_evals_refuse_other_files(tmp_path, reader, cases):
     """A file that is not the sweep a rule evaluator reads is refused by name, saying what is missing."""
-    import importlib
-
-    read = getattr(importlib.import_module(f"benchmarks.{module}"), reader)
+    read = getattr(E, reader)
     bad = tmp_path / "other.txt"
     for text, needle in cases:
         bad.write_text(text)
@@ -350,56 +345,47 @@ def test_decode_stage_choice_defaults_to_the_rule():
 
 
 def test_the_stage_rule_scores_as_measured_on_the_committed_sweeps():
-    """benchmarks/stage_rule_eval.py on its H200 sweeps (2026-11-30), timed as a decode step runs: the rule in the code
-    picks within 1% of the best fixed depth (geometric mean) on the 48 points it was fitted on and within 3% on 36 held-out
-    ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails here."""
-    from benchmarks import stage_rule_eval as E
-
-    fit, check = (E.score(*E.read_probe(path), P.DEFAULT_POLICY.decode_stages) for path in E.DEFAULT)
+    """The stage rule on its H200 sweeps (2026-11-30, tests/data/decode_sweeps/), timed as a decode step runs: the rule
+    in the code picks within 1% of the best fixed depth (geometric mean) on the 48 points it was fitted on and within 3%
+    on 36 held-out ones, and beats the autotuner it replaced on both; changing DECODE_STAGES without a new sweep fails
+    here."""
+    fit, check = (E.score_stages(*E.read_stage_sweep(path), P.DEFAULT_POLICY.decode_stages) for path in E.STAGE_SWEEPS)
     assert fit["points"] == 48 and check["points"] == 36
     assert fit["rule"][0] < 1.01 and fit["rule"][1] < 1.06 and check["rule"][0] < 1.03
     assert fit["rule"][0] < fit["auto"][0] and check["rule"][0] < check["auto"][0]
     assert fit["rule"][1] < fit["auto"][1] and check["rule"][1] < check["auto"][1]
-    always4 = E.score(*E.read_probe(E.DEFAULT[0]), ((float("inf"), 4),))
+    always4 = E.score_stages(*E.read_stage_sweep(E.STAGE_SWEEPS[0]), ((float("inf"), 4),))
     assert always4["rule"][0] > 1.04  # the best single depth is not as good: the rule's thresholds matter
 
 
-def _committed_sweep(name: str) -> list[Path]:
-    """The committed H200 sweep files of that name under benchmarks/results/ (whatever folder holds them)."""
-    return sorted((Path(__file__).resolve().parents[4] / "benchmarks" / "results").rglob(name))
-
-
 def test_the_mx_split_rule_scores_as_measured_on_the_committed_sweep():
-    """split_rule_eval.py --mx on its H200 sweep of the MX GEMM (2026-11-30; bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8, CUDA
+    """The MX split rule on its H200 sweep of the MX GEMM (2026-11-30; bf16 x MXFP4 / NVFP4, MXFP8 x MXFP8, CUDA
     graphs): MX_SPLIT_RULE picks within 1% of the best split count per pair (geometric mean) and beats both fills it
     replaced (2 and 4 programs per SM) over the three pairs and at the worst point; on the later sweeps it was not
     fitted on (BM 64; held-out shapes) it holds the scores its comment records; changing it without a new sweep fails
     here."""
     import math
 
-    from benchmarks import split_rule_eval as E
-
-    sections = E.read_sections(E.MX_DEFAULT)
+    sections = E.read_sections(E.MX_SWEEP)
     assert len(sections) == 3 and all(len(rows) == 24 for _, rows in sections.values())
-    now = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in sections.values()]
+    now = [E.score_splits(sms, rows, P.mx_split_k, False) for sms, rows in sections.values()]
     assert all(s["geo"]["all"] < 1.01 for s in now)
 
     def overall(scores):
         return math.prod(s["geo"]["all"] for s in scores) ** (1 / len(scores))
 
     for fill in (2.0, 4.0):
-        old = [E.score(sms, rows, fill, False) for sms, rows in sections.values()]
+        old = [E.score_splits(sms, rows, fill, False) for sms, rows in sections.values()]
         assert overall(now) < overall(old) - 0.01
         assert max(s["worst"][0] for s in now) < max(s["worst"][0] for s in old) - 0.05
     # the sweeps the rule was not fitted on: BM 64 within 2.5% (4 per SM: 21-22% off), and the four held-out shapes
     # within 8.5% per pair, as its comment records (4 per SM does better there)
-    bm64_sweep, = _committed_sweep("probe_mx_split64.txt")
-    held_sweep, = _committed_sweep("probe_mx_split_check.txt")
-    bm64 = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(bm64_sweep).values()]
+    bm64_sweep, held_sweep = E.MX_CHECK
+    bm64 = [E.score_splits(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(bm64_sweep).values()]
     assert all(set(s["geo"]) == {64, "all"} and s["geo"]["all"] < 1.025 for s in bm64)
-    four64 = [E.score(sms, rows, 4.0, False) for sms, rows in E.read_sections(bm64_sweep).values()]
+    four64 = [E.score_splits(sms, rows, 4.0, False) for sms, rows in E.read_sections(bm64_sweep).values()]
     assert overall(four64) > overall(bm64) + 0.15
-    held = [E.score(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(held_sweep).values()]
+    held = [E.score_splits(sms, rows, P.mx_split_k, False) for sms, rows in E.read_sections(held_sweep).values()]
     assert all(s["geo"]["all"] < 1.085 for s in held) and max(s["worst"][0] for s in held) < 1.22
 
 

@@ -220,8 +220,8 @@ BOUNDS = {"mxfp4": 520, "nvfp4": 580, "mxfp8": 550}
 
 @pytest.fixture(scope="module")
 def sass():
-    """benchmarks/sass_loop.py, when the Triton wheel ships ptxas and nvdisasm."""
-    from benchmarks import sass_loop as S
+    """tests/support/sass_loop.py, when the Triton wheel ships ptxas and nvdisasm."""
+    from tests.support import sass_loop as S
 
     if S.triton_tool("ptxas") is None or S.triton_tool("nvdisasm") is None:
         pytest.skip("the Triton wheel ships no ptxas / nvdisasm here")

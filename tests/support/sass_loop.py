@@ -2,7 +2,7 @@
 count and mix of its loops, on the CPU: the MX GEMM's decode K loop takes ~450-500 instructions per 128-column chunk
 and warp with the per-row scale tiles and the PTX E2M1 decode, against 787-1379 for the gathered-scale path.
 
-    python benchmarks/sass_loop.py [mxfp4|nvfp4|mxfp8] [NAME=VALUE ...]
+    python -m tests.support.sass_loop [mxfp4|nvfp4|mxfp8] [NAME=VALUE ...]
 
 compiles `_mx_gemm_kernel` at the decode tile (BM 16, BN 64, 4 warps, 3 stages) with the launcher's default
 constexprs on the GPU (overridden by NAME=VALUE, e.g. ROW_SCALES=False for the gathered-scale path) and prints each
@@ -17,9 +17,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # integer arguments the runtime specializes as multiples of 16 (not in the kernel's do_not_specialize): the row
 # strides and K, as in a call with 16-aligned shapes
