@@ -95,7 +95,7 @@ def resolve_backend(suite_backend: str, device: str | None) -> str:
 def resolve_reference_device(setting: str, engine_device: str) -> str:
     """The device the FP32 reference runs on: `auto` -> the engine's device, else `cpu` / `cuda` as asked."""
     from evalharness.errors import SuiteError
-    from evalharness.suite import REFERENCE_DEVICES
+    from evalharness.suite_schema import REFERENCE_DEVICES
 
     if setting not in REFERENCE_DEVICES:
         raise SuiteError(f"reference_device must be one of {list(REFERENCE_DEVICES)}, got {setting!r}")
@@ -423,12 +423,13 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         data_sha: dict[str, str] = {}
         work: dict[str, int] = {}  # tokens / decode steps each eval cost the engine and the reference
         error = None
-        ctx = None
+        ctx = kernels = None
         stack = contextlib.ExitStack()  # the run's bar over its evals
         try:
             engine_for = _engine_factory(base_model, spec, place(spec) if place is not None else None)
             own = distributed.serving_parallel(spec.serving)
             engine = engine_for(own.tp, own.ep)
+            kernels = engine.kernel_settings()  # what chose the kernels: the result's provenance.kernels
             engine.default_prefill_chunk = spec.serving.get("prefill_chunk")
             ctx = EvalContext(engine=engine, reference=reference, tokenizer=tokenizer, corpus=model["corpus"],
                               vocab_size=loaded.cfg.vocab_size, batch_size=spec.serving["batch_size"],
@@ -474,6 +475,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         engine = ctx = engine_for = None  # drop this recipe's prepared weights before the next one is built
         doc = _result_doc(spec, suite, status, metrics, samples, timing, error, loaded.sha256, data_sha, device,
                           {**counters, **work}, ref_device, inputs)
+        doc["provenance"]["kernels"] = kernels
         sink(spec, path, doc)
         n = done + i + 1
         if status == "ok":

@@ -45,22 +45,10 @@ import yaml
 
 from engine.errors import RecipeError
 from engine.recipe import Recipe, load_recipe
-from engine.serving import KV_BLOCK_SIZES
 from evalharness.errors import DataError, SuiteError
 from evalharness.results import run_key
+from evalharness.suite_schema import ServingEntry, SuiteFile, check_suite
 
-SUITE_KEYS = ("name", "description", "backend", "reference_device", "execution", "seed", "data_dir", "corpus",
-              "models", "recipes", "serving", "evals", "gate")
-MODEL_KEYS = ("name", "path", "tokenizer", "corpus")
-SERVING_KEYS = ("name", "batch_size", "prefill_chunk", "attn_block", "small_m", "tp", "ep", "kv_block_size",
-                "cuda_graphs")
-# Integer serving knobs and their defaults (each a positive int, or null where the default is null).
-SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk": None, "attn_block": 64, "small_m": 64, "tp": 1, "ep": 1,
-                                    "kv_block_size": 64}
-ATTN_BLOCKS = (64, 128, 256)
-EVAL_NAMES = ("layer_error", "ppl_kld", "tasks", "longctx", "invariance", "threeway", "switching")
-BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
-REFERENCE_DEVICES = ("auto", "cpu", "cuda")  # auto: the engine's device (docs/guide/models-and-data.md, "Memory")
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
 
@@ -97,7 +85,7 @@ class Suite:
     data_dir: Path | None
     runs: list[RunSpec]
     skipped: list[str]
-    reference_device: str = "auto"  # one of REFERENCE_DEVICES; resolved per model by the runner
+    reference_device: str = "auto"  # one of suite_schema.REFERENCE_DEVICES; resolved per model by the runner
 
     @property
     def name(self) -> str:
@@ -121,15 +109,6 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> SuiteError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
     return SuiteError(f"{where}: malformed YAML: {getattr(exc, 'problem', None) or exc}")
-
-
-def _check_keys(obj: Any, allowed: tuple[str, ...], where: str) -> None:
-    """Unknown keys are errors (a typo must not silently change what is measured)."""
-    if not isinstance(obj, dict):
-        raise SuiteError(f"{where}: expected a mapping, got {type(obj).__name__}")
-    unknown = [k for k in obj if k not in allowed]
-    if unknown:
-        raise SuiteError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
 
 
 def _parse_value(text: str) -> Any:
@@ -212,57 +191,19 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         raise _yaml_error(path, exc) from None
     if raw is None:
         raise SuiteError(f"{path}: the suite file is empty")
-    _check_keys(raw, SUITE_KEYS, str(path))
+    if not isinstance(raw, dict):
+        raise SuiteError(f"{path}: a suite is a mapping of keys {list(SuiteFile.model_fields)}, got "
+                         f"{type(raw).__name__}")
     raw = apply_overrides(raw, sets or [])
-    _check_keys(raw, SUITE_KEYS, f"{path} (after --set)")
-    if "name" not in raw:
-        raise SuiteError(f"{path}: required key 'name' is missing")
-    ddir = resolve_data_dir(data_dir, raw.get("data_dir"))
+    where = f"{path} (after --set)" if sets else str(path)
+    checked = check_suite({**raw, "backend": backend} if backend else raw, where)
+    ddir = resolve_data_dir(data_dir, checked.data_dir)
     base = path.parent.resolve()
-    backends = [backend] if backend else raw.get("backend", "cpu-emulated")
-    backends = backends if isinstance(backends, list) else [backends]
-    for b in backends:
-        if b not in BACKENDS:
-            raise SuiteError(f"{path}: backend '{b}' is not one of {BACKENDS}")
-    if len({b.split("-")[0] for b in backends}) > 1:
-        raise SuiteError(f"{path}: backends {backends} mix devices; one suite runs on cpu or on cuda, not both")
-    if len(set(backends)) != len(backends) or not backends:
-        raise SuiteError(f"{path}: 'backend' must be one backend or a list of distinct backends, got {backends}")
-    seed = raw.get("seed", 0)
-    if not isinstance(seed, int):
-        raise SuiteError(f"{path}: seed must be an integer, got {seed!r}")
-    ref_device = raw.get("reference_device", "auto")
-    if ref_device not in REFERENCE_DEVICES:
-        raise SuiteError(f"{path}: reference_device must be one of {list(REFERENCE_DEVICES)}, got {ref_device!r} "
-                         "(cpu runs the FP32 reference on the host when it does not fit on the GPU next to the engine)")
-    if raw.get("execution", "auto") not in ("auto", "resident", "streamed"):  # evalharness.memory_plan.EXECUTIONS
-        raise SuiteError(f"{path}: execution must be auto, resident or streamed, got {raw['execution']!r} (streamed "
-                         "reads the weights one layer at a time: docs/guide/big-models.md)")
-
-    models = raw.get("models")
-    if not isinstance(models, list) or not models:
-        raise SuiteError(f"{path}: 'models' must be a non-empty list of {{name, path, ...}} entries")
-    recipes = raw.get("recipes")
-    if not isinstance(recipes, list) or not recipes:
-        raise SuiteError(f"{path}: 'recipes' must be a non-empty list of recipe names or YAML paths")
-    serving = raw.get("serving") or [{"name": "default", "batch_size": 1}]
-    if not isinstance(serving, list):
-        raise SuiteError(f"{path}: 'serving' must be a list of serving configs")
-    evals = raw.get("evals")
-    if not isinstance(evals, dict) or not evals:
-        raise SuiteError(f"{path}: 'evals' must map eval names {list(EVAL_NAMES)} to their settings")
-    for name, cfg in evals.items():
-        if name not in EVAL_NAMES:
-            raise SuiteError(f"{path}: evals: unknown eval '{name}'; available: {list(EVAL_NAMES)}")
-        if cfg is not None and not isinstance(cfg, dict):
-            raise SuiteError(f"{path}: evals.{name} must be a mapping of settings")
-    from evalharness.evals import validate_eval_config
-
-    for name, cfg in evals.items():
-        try:
-            validate_eval_config(name, cfg or {})
-        except ValueError as exc:
-            raise SuiteError(f"{path}: evals.{name}: {exc}") from None
+    backends = checked.backend if isinstance(checked.backend, list) else [checked.backend]
+    seed = checked.seed
+    models = checked.models
+    recipes = checked.recipes
+    evals = dict(raw["evals"])  # as written (each eval fills in its defaults when it runs)
 
     resolved_recipes = []
     for ref in recipes:
@@ -275,30 +216,12 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         raise SuiteError(f"{path}: two recipes share a name {names}; give each recipe YAML a distinct 'name'")
 
     servings = []
-    for i, s in enumerate(serving):
-        _check_keys(s, SERVING_KEYS, f"{path}: serving[{i}]")
-        bs = s.get("batch_size", 1)
-        if not isinstance(bs, int) or bs < 1:
-            raise SuiteError(f"{path}: serving[{i}].batch_size must be a positive integer, got {bs!r}")
-        entry_s: dict[str, Any] = {"name": str(s.get("name", f"serving{i}")), "batch_size": bs}
-        for k, default in SERVING_DEFAULTS.items():
-            v = s.get(k, default)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise SuiteError(f"{path}: serving[{i}].{k} must be a positive integer or null, got {v!r}")
-            if k == "attn_block" and v not in ATTN_BLOCKS:
-                raise SuiteError(f"{path}: serving[{i}].attn_block must be one of {ATTN_BLOCKS}, got {v!r}")
-            if k == "kv_block_size" and v not in KV_BLOCK_SIZES:
-                raise SuiteError(f"{path}: serving[{i}].kv_block_size must be one of {KV_BLOCK_SIZES}, got {v!r}")
-            if v != default:  # only non-default knobs are recorded, so existing run keys/specs stay stable
-                entry_s[k] = v
-        graphs = s.get("cuda_graphs", True)
-        if not isinstance(graphs, bool):
-            raise SuiteError(f"{path}: serving[{i}].cuda_graphs must be true or false, got {graphs!r}")
-        if not graphs:
-            entry_s["cuda_graphs"] = False
-        if entry_s.get("tp", 1) is None or entry_s.get("ep", 1) is None:
-            raise SuiteError(f"{path}: serving[{i}]: tp / ep (tensor / expert parallel degree) must be positive "
-                             "integers; leave them out for 1")
+    for i, s in enumerate(checked.serving or [ServingEntry(name="default")]):
+        entry_s: dict[str, Any] = {"name": str(s.name if s.name is not None else f"serving{i}"),
+                                   "batch_size": s.batch_size}
+        for k, field in ServingEntry.model_fields.items():  # only non-default knobs are recorded (stable run keys)
+            if k not in ("name", "batch_size") and getattr(s, k) != field.default:
+                entry_s[k] = getattr(s, k)
         from evalharness.distributed import check_degrees  # tp / ep: one model-parallel group per run
 
         check_degrees(entry_s, evals, f"{path}: serving[{i}]")
@@ -307,17 +230,14 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
     runs, skipped = [], []
     seen = set()
     for i, m in enumerate(models):
-        _check_keys(m, MODEL_KEYS, f"{path}: models[{i}]")
-        if "path" not in m:
-            raise SuiteError(f"{path}: models[{i}] needs a 'path' (HF dir, HF id, llama2c:FILE or builtin:NAME)")
-        name = str(m.get("name") or Path(str(m["path"])).name)
+        name = str(m.name or Path(m.path).name)
         if name in seen:
             raise SuiteError(f"{path}: two models are named '{name}'")
         seen.add(name)
         entry = {"name": name}
         needs_data = False
         for k in ("path", "tokenizer", "corpus"):
-            v = m.get(k, raw.get("corpus") if k == "corpus" else None)
+            v = getattr(m, k) if getattr(m, k) is not None else (checked.corpus if k == "corpus" else None)
             if v is None:
                 continue
             ev = _expand(str(v), ddir, base)
@@ -332,8 +252,9 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         for r in resolved_recipes:
             for s in servings:
                 for b in backends:
-                    runs.append(RunSpec(suite_name=str(raw["name"]), model=entry, recipe=r, serving=s, backend=b,
+                    runs.append(RunSpec(suite_name=str(checked.name), model=entry, recipe=r, serving=s, backend=b,
                                         evals={k: dict(v or {}) for k, v in evals.items()}, seed=seed))
     if not runs:
         raise SuiteError(f"{path}: nothing to run: {'; '.join(skipped) or 'empty matrix'}")
-    return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped, reference_device=ref_device)
+    return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped,
+                 reference_device=checked.reference_device)

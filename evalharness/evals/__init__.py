@@ -18,55 +18,22 @@ import time
 from typing import Any, Callable
 
 import torch
+from pydantic import ValidationError
 
 from evalharness.data import Windows, load_corpus_tokens, make_windows, tokens_needed
+from evalharness.evals.settings import EVAL_SETTINGS, NEEDS
 from evalharness.progress import Progress, no_bars
-
-# name -> {setting: (type, default)}; the suite validator uses this table.
-EVAL_SETTINGS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
-    "layer_error": {"windows": (int, 2), "seq_len": (int, 128), "bos": (bool, True), "taps": (list, None),
-                    "local": (bool, True), "layer_local": (bool, False)},
-    "ppl_kld": {"seq_len": (int, 128), "stride": (int, None), "max_windows": (int, 16), "max_tokens": (int, 200_000),
-                "bos": (bool, True), "ref_topk": (int, None)},
-    "invariance": {"variants": (list, None), "windows": (int, 4), "seq_len": (int, 64), "reruns": (int, 2),
-                   "prompt_len": (int, 16), "greedy_tokens": (int, 8)},
-    # --- tasks / longctx (evalharness/evals/tasks.py, longctx.py) ---
-    "tasks": {"tasks": (list, None), "limit": ((int, dict), None), "num_fewshot": ((int, dict), None),
-              "batch_size": (int, None), "include_paths": (list, None), "max_gen_toks": (int, None),
-              "data_dir": (str, None)},
-    "longctx": {"parts": (list, None), "new_tokens": (int, 1024), "prompt_lens": (list, None),
-                "prompts_per_len": (int, 2), "entropy_window": (int, 64), "loop_min_len": (int, 16),
-                "tie_margin": ((int, float), 0.5), "passkey_lens": (list, None),
-                "passkey_depths": (list, [0.0, 0.25, 0.5, 0.75, 1.0]), "passkey_trials": (int, 4),
-                "kld_docs": (int, 4), "kld_seq_len": (int, None), "kld_buckets": (int, 8), "ref_topk": (int, None),
-                "max_tokens": (int, 200_000), "bos": (bool, True)},
-    "threeway": {"windows": (int, 4), "seq_len": (int, 128), "emulated": (str, "cuda-emulated"),
-                 "native": (str, "cuda-native"), "kernel_factor": ((int, float), 2.0),
-                 "kernel_floor": ((int, float), 1.0e-3),
-                 "native_options": (dict, None)},
-    "switching": {"modules": (list, None), "high": (str, "bf16"), "windows": (int, 4), "seq_len": (int, 128),
-                  "reps": (int, 3)},
-}
-# Integer settings for which 0 is meaningful (all other integer settings must be positive).
-ZERO_ALLOWED = frozenset({"num_fewshot"})
+from evalharness.schema import messages
 
 
 def validate_eval_config(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Check an eval's settings (unknown keys, types, ranges); return them with defaults filled in."""
-    table = EVAL_SETTINGS[name]
-    unknown = [k for k in cfg if k not in table]
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; allowed: {sorted(table)}")
-    out = {}
-    for key, (typ, default) in table.items():
-        value = cfg.get(key, default)
-        if value is not None and not isinstance(value, typ) or isinstance(value, bool) and typ is int:
-            raise ValueError(f"'{key}' must be {typ.__name__ if isinstance(typ, type) else typ}, got {value!r}")
-        zero_ok = value == 0 and key in ZERO_ALLOWED
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0 and not zero_ok:
-            raise ValueError(f"'{key}' must be positive, got {value}")
-        out[key] = value
-    return out
+    """Check an eval's settings against its schema (`evalharness.evals.settings`); return them with the defaults
+    filled in. A ValueError lists every refused setting as `evals.<name>.<key> must be ..., got ...`."""
+    schema = EVAL_SETTINGS[name]
+    try:
+        return schema.model_validate(cfg).model_dump()
+    except ValidationError as exc:
+        raise ValueError("; ".join(messages(exc, cfg, schema, f"evals.{name}", NEEDS))) from None
 
 
 @dataclasses.dataclass

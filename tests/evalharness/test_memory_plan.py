@@ -76,5 +76,5 @@ def test_plan_numbers_and_choices():
 
 def test_execution_key_is_validated(tmp_path):
     (tmp_path / "s.yaml").write_text(SUITE + "execution: layered\n")
-    with pytest.raises(SuiteError, match="execution must be auto, resident or streamed"):
+    with pytest.raises(SuiteError, match="execution must be one of .auto., .resident. or .streamed., got .layered."):
         load_suite(tmp_path / "s.yaml")
