@@ -146,12 +146,13 @@ def test_report_and_trend_cli(tmp_path, capsys):
 
 
 def test_report_of_the_h200_gpu_suite_shows_backends_and_three_way(tmp_path):
-    """The committed H200 run of suites/gpu.yaml: one row per backend, and the three-way table with the
-    format / kernel / total KLD of each native run (values as measured, no kernel tap flagged)."""
+    """Two runs of the H200 run of suites/gpu.yaml (benchmarks/results/h200-2026-11-29/suite_gpu/: zoo-moe fp8-block
+    on both backends, its suite.json cut to them, in tests/data/): one row per backend, and the three-way table with
+    the format / kernel / total KLD of the native run (values as measured, no kernel tap flagged)."""
     from evalharness.results_report import build_report
     from tests.conftest import REPO
 
-    md = build_report(REPO / "benchmarks" / "results" / "h200-2026-11-29" / "suite_gpu", tmp_path).read_text()
+    md = build_report(REPO / "tests" / "data" / "suite_gpu_h200_zoo_moe", tmp_path).read_text()
     assert "| zoo-moe | fp8-block | default | cuda-emulated | ok |" in md
     assert "| zoo-moe | fp8-block | default | cuda-native | ok |" in md
     row = next(line for line in md.splitlines()
