@@ -32,8 +32,8 @@ def _is_union_member(part: Any) -> bool:
     """Pydantic's name of a member of a union in an error location (not a key the user wrote)."""
     if not isinstance(part, str):
         return False
-    return (part in ("int", "float", "str", "bool", "list", "dict") or part.startswith(("constrained-", "Strict",
-                                                                                         "literal[", "list[", "dict[", "function-"))
+    tags = ("constrained-", "Strict", "literal[", "list[", "dict[", "function-")
+    return (part in ("int", "float", "str", "bool", "list", "dict") or part.startswith(tags)
             or part[:1].isupper())
 
 
@@ -100,6 +100,23 @@ def _need(model: type[BaseModel], loc: tuple, needs: dict[str, str]) -> str | No
     return field.description if field is not None else None
 
 
+def _mismatch(err: dict) -> bool:
+    """An error that only says the value is not of this member's type (`str` where a list was allowed, ...)."""
+    return err["type"].endswith("_type") or (err["type"] == "literal_error" and isinstance(err["input"], (list, dict)))
+
+
+def _one_member(errors: list[dict]) -> list[dict]:
+    """Errors of a union of several types (`backend: NAME | [NAME, ...]`): when a member of the type the user
+    wrote has errors, the other members' "not of my type" errors are dropped."""
+    def group(err: dict) -> tuple:
+        loc = tuple(err["loc"])
+        cut = next((i for i, p in enumerate(loc) if _is_union_member(p)), len(loc))
+        return loc[:cut]
+
+    real = {group(e) for e in errors if not _mismatch(e)}
+    return [e for e in errors if not (_mismatch(e) and group(e) in real)]
+
+
 def messages(exc: ValidationError, raw: Any, model: type[BaseModel], root: str = "",
              needs: dict[str, str] | None = None, hints: dict[str, str] | None = None) -> list[str]:
     """Each refused key of `raw` (validated against `model`) as one message: the key path under `root`, what it
@@ -108,7 +125,7 @@ def messages(exc: ValidationError, raw: Any, model: type[BaseModel], root: str =
     needs, hints = needs or {}, hints or {}
     out: dict[str, None] = {}
     unknown: dict[tuple, list[str]] = {}
-    for err in exc.errors():
+    for err in _one_member(exc.errors()):
         loc = tuple(err["loc"])
         keys = [p for p in _keys(loc) if isinstance(p, str)]
         hint = f" ({hints[keys[-1]]})" if keys and keys[-1] in hints else ""
