@@ -144,6 +144,13 @@ class Engine:
         """Longest context the model was configured for."""
         return self.cfg.max_position
 
+    def native_coverage(self) -> dict[str, float]:
+        """Which ops ran on native kernels, for a result's metrics: per op `<op>.native_frac` (the fraction of its
+        calls that ran native) and the raw call counts `<op>:native` / `<op>:fallback:<reason>`. Empty on the
+        emulated backends, which run no kernel."""
+        summary = getattr(self.nx, "coverage_summary", None)
+        return summary() if summary is not None else {}
+
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, tap: Optional[Callable[[str, torch.Tensor], None]] = None,
                observer: Optional[QuantObserver] = None, prefill_chunk: int | None = None,

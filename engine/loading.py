@@ -35,6 +35,92 @@ from engine.weights import expected_shapes
 HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
+SOURCE_KINDS = ("builtin", "llama2c", "hf_dir", "hf_id")
+SOURCE_GRAMMAR = "builtin:NAME, llama2c:FILE (or a *.bin file), an HF model folder or an HF hub id (org/name)"
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9_+.\-]+):")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, parsed (`parse_source`): the one reading of the model-source grammar.
+
+    kind: `builtin` (a model folder shipped with the harness), `llama2c` (a llama2.c checkpoint file), `hf_dir`
+    (an HF model folder, or a path that does not exist: the loader then says so) or `hf_id` (a hub id, from the
+    local HF cache). path: the folder, file or hub id (for `builtin`, its folder when the folder of built-ins was
+    given, else its NAME). text: the source as written. name: a `builtin`'s NAME.
+    """
+
+    kind: str
+    path: str
+    text: str
+    name: str = ""
+
+    def __str__(self) -> str:
+        """What the loader reports as the model's source: the built-in's folder, else the text as written."""
+        return self.path if self.kind == "builtin" else self.text
+
+    @property
+    def default_name(self) -> str:
+        """A name for the model when none is given: the built-in's NAME, the file's stem, the folder's name, the
+        hub id's last part."""
+        if self.kind == "builtin":
+            return self.name
+        return Path(self.path.rstrip("/")).name.removesuffix(".bin") if self.kind == "llama2c" else \
+            Path(self.path.rstrip("/")).name
+
+    def with_path(self, path: str) -> "ModelSource":
+        """The same kind of source at another path (a resolved relative path); the text keeps the kind's prefix."""
+        if self.kind == "builtin":
+            return self
+        text = f"llama2c:{path}" if self.text.startswith("llama2c:") else path
+        return dataclasses.replace(self, path=path, text=text)
+
+
+def parse_source(text: "str | ModelSource", builtin_dir: Path | None = None) -> ModelSource:
+    """Parse a model source (`SOURCE_GRAMMAR`): `builtin:NAME`, `llama2c:FILE` or a `*.bin` file, an HF model folder,
+    or an HF hub id `org/name`. `builtin_dir`: the folder of built-in models (the harness's); given, `builtin:NAME`
+    resolves to its sub-folder and an unknown NAME is an error listing the available ones. Nothing is read here
+    but whether a path exists (a folder is `hf_dir`, a hub id only when no such path exists)."""
+    if isinstance(text, ModelSource):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        raise WeightsError(f"model source {text!r}: empty; give {SOURCE_GRAMMAR}")
+    if text.startswith("builtin:"):
+        name = text.removeprefix("builtin:")
+        if not name or "/" in name or name in (".", ".."):
+            raise WeightsError(f"model source {text!r}: builtin: needs a NAME (e.g. builtin:tiny-llama)")
+        if builtin_dir is None:
+            return ModelSource("builtin", name, text, name)
+        folder = Path(builtin_dir) / name
+        if not folder.is_dir():
+            avail = sorted(d.name for d in Path(builtin_dir).iterdir() if d.is_dir()) if Path(builtin_dir).is_dir() \
+                else []
+            raise WeightsError(f"model source {text!r}: unknown built-in '{name}'; available: {avail}")
+        return ModelSource("builtin", str(folder), text, name)
+    if text.startswith("llama2c:"):
+        path = text.removeprefix("llama2c:")
+        if not path:
+            raise WeightsError(f"model source {text!r}: llama2c: needs the checkpoint file (llama2c:FILE)")
+        return ModelSource("llama2c", path, text)
+    if text.endswith(".bin"):
+        return ModelSource("llama2c", text, text)
+    scheme = _SCHEME.match(text)
+    if scheme and not Path(text).expanduser().exists():
+        raise WeightsError(f"model source {text!r}: unknown prefix '{scheme.group(1)}:'; give {SOURCE_GRAMMAR}")
+    if not Path(text).expanduser().exists() and HF_ID.match(text):
+        return ModelSource("hf_id", text, text)
+    return ModelSource("hf_dir", text, text)
+
+
+def resolved_source(source: "str | ModelSource") -> ModelSource:
+    """`source` parsed; a `builtin:` that was not resolved to its folder is an error saying who resolves it."""
+    src = parse_source(source)
+    if src.kind == "builtin" and src.path == src.name:
+        raise WeightsError(f"model source '{src.text}': built-in models ship with the harness; resolve it with "
+                           "parse_source(text, builtin_dir=evalharness.data.BUILTIN_DIR)")
+    return src
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A model's config, fp32 weights (HF names; routed experts stacked, see the module docstring) and
@@ -239,23 +325,19 @@ def resolve_model_dir(source: str) -> Path:
     raise WeightsError(f"model not found: '{source}' is neither an existing path nor an HF hub id (org/name)")
 
 
-def _is_llama2c(source: str) -> bool:
-    """A llama2.c checkpoint source (`llama2c:PATH` or a `*.bin` file)."""
-    return source.startswith("llama2c:") or source.endswith(".bin")
-
-
-def checkpoint_files(source: str) -> list[Path]:
+def checkpoint_files(source: "str | ModelSource") -> list[Path]:
     """The files whose bytes make up a model (what `load_model` reads and `LoadedModel.sha256` hashes, in order):
     a llama2.c file, or an HF folder's config.json and safetensors shards."""
-    if _is_llama2c(source):
-        return [Path(source.removeprefix("llama2c:")).expanduser()]
-    directory = resolve_model_dir(source)
+    src = resolved_source(source)
+    if src.kind == "llama2c":
+        return [Path(src.path).expanduser()]
+    directory = resolve_model_dir(src.path)
     if not (directory / "config.json").exists():
         raise WeightsError(f"{directory}: config.json is missing; this is not an HF model directory")
     return [directory / "config.json", *_shard_files(directory)]
 
 
-def checkpoint_sha256(source: str) -> str:
+def checkpoint_sha256(source: "str | ModelSource") -> str:
     """sha256 of a model's checkpoint files without loading it (equals `load_model(source).sha256`)."""
     files = checkpoint_files(source)
     missing = [f for f in files if not f.is_file()]
@@ -277,16 +359,19 @@ def read_hf_config(directory: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
     return cfg_path, hf_config, ModelConfig.from_hf(hf_config, where=str(cfg_path))
 
 
-def load_model(source: str) -> LoadedModel:
-    """Load a model from an HF directory / hub id, or a llama2.c checkpoint (`llama2c:PATH` or `*.bin`)."""
-    if _is_llama2c(source):
-        path = Path(source.removeprefix("llama2c:")).expanduser()
+def load_model(source: "str | ModelSource") -> LoadedModel:
+    """Load a model from a source (`parse_source`): an HF directory / hub id, a llama2.c checkpoint, a resolved
+    built-in."""
+    src = resolved_source(source)
+    source = str(src)
+    if src.kind == "llama2c":
+        path = Path(src.path).expanduser()
         from engine.llama2c import read_llama2c
 
         hf_config, weights = read_llama2c(str(path))
         cfg = ModelConfig.from_hf(hf_config, where=str(path))
         return LoadedModel(cfg, hf_config, weights, source, None, _hash_files([path]))
-    directory = resolve_model_dir(source)
+    directory = resolve_model_dir(src.path)
     if not directory.is_dir():
         raise WeightsError(f"{directory}: expected a model directory (config.json + *.safetensors)")
     cfg_path, hf_config, cfg = read_hf_config(directory)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ from engine.numerics import LocalProbe, QuantObserver
 from engine.recipe import Recipe, load_recipe
 from engine.rope import mla_softmax_scale, rope_attention_factor, rope_inv_freq
 from engine.weights import _all_finite, canonical_weights, expected_shapes
+
+if TYPE_CHECKING:
+    from engine.loading import ModelSource
 
 Stage = Any  # "embed", a layer index (int) or "head"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -101,17 +104,18 @@ class LayerStore:
         self._by_stage = self._index()
 
     @classmethod
-    def open(cls, source: str) -> "LayerStore":
-        """The store of a model source (`engine.loading.load_model`'s grammar), reading only headers now."""
-        from engine.loading import _is_llama2c, _shard_files, read_hf_config, resolve_model_dir
+    def open(cls, source: "str | ModelSource") -> "LayerStore":
+        """The store of a model source (`engine.loading.parse_source`), reading only headers now."""
+        from engine.loading import _shard_files, read_hf_config, resolve_model_dir, resolved_source
 
-        if _is_llama2c(source):
+        src = resolved_source(source)
+        if src.kind == "llama2c":
             from engine.llama2c import read_llama2c
 
-            path = source.removeprefix("llama2c:")
+            path = src.path
             hf_config, weights = read_llama2c(str(Path(path).expanduser()))
             return cls(ModelConfig.from_hf(hf_config, where=path), path, weights=weights, hf_config=hf_config)
-        directory = resolve_model_dir(source)
+        directory = resolve_model_dir(src.path)
         _, hf_config, cfg = read_hf_config(directory)
         from safetensors import SafetensorError, safe_open
 

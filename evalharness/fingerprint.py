@@ -32,10 +32,13 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from evalharness.data import builtin_path
+from evalharness.data import BUILTIN_DIR, builtin_path
 from evalharness.errors import ResultError
+
+if TYPE_CHECKING:
+    from engine.loading import ModelSource
 
 # Settings that only change how many samples an eval takes (windows, documents, trials): a baseline with other
 # values is compared with a WARN that says so.
@@ -90,12 +93,12 @@ def harness_version() -> str:
     return f"{__version__}+{code_sha256()[:16]}"
 
 
-def model_source(model: dict[str, Any]) -> str:
-    """The loader's source string for a suite model entry (`builtin:NAME` -> its folder)."""
-    path = model["path"]
-    if path.startswith("builtin:"):
-        return str(builtin_path(path.removeprefix("builtin:")))
-    return path
+def model_source(model: dict[str, Any]) -> ModelSource:
+    """A suite model entry's source, parsed by the engine's grammar (`engine.loading.parse_source`), a
+    `builtin:NAME` resolved to its folder in the package."""
+    from engine.loading import parse_source
+
+    return parse_source(model["path"], builtin_dir=BUILTIN_DIR)
 
 
 def _folder_sha256(folder: Path, names: tuple[str, ...]) -> str | None:
@@ -160,8 +163,8 @@ def model_inputs(model: dict[str, Any], model_sha: str | None = None, model_dir:
 
     if model_sha is None:
         model_sha = attempt(lambda: checkpoint_sha256(source))
-    if model_dir is None and not source.startswith("llama2c:") and not source.endswith(".bin"):
-        model_dir = attempt(lambda: str(resolve_model_dir(source)))
+    if model_dir is None and source.kind != "llama2c":
+        model_dir = attempt(lambda: str(resolve_model_dir(source.path)))
     return Inputs(model=model_sha, tokenizer=attempt(lambda: tokenizer_sha256(model, model_dir)),
                   corpus=attempt(lambda: corpus_sha256(model["corpus"])))
 

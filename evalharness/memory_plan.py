@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -32,6 +32,9 @@ from engine.config import ModelConfig
 from engine.recipe import Recipe, storage_bits
 from engine.weights import expected_shapes, module_path, weight_site
 from evalharness.errors import HarnessError
+
+if TYPE_CHECKING:
+    from engine.loading import ModelSource
 
 EXECUTIONS = ("auto", "resident", "streamed")
 STREAMED_EVALS = ("layer_error", "ppl_kld")  # the evals that run layer-major (evalharness.streamed)
@@ -76,16 +79,16 @@ class MemoryPlan:
                 f"streamed {self.streamed_bytes / GiB:.3g} GiB [{fmt(self.streamed)}]")
 
 
-def model_config(source: str) -> ModelConfig:
+def model_config(source: "str | ModelSource") -> ModelConfig:
     """The model's config without its weights: config.json of an HF folder, a llama2.c file's header."""
-    from engine.loading import _is_llama2c, resolve_model_dir
+    from engine.loading import parse_source, resolve_model_dir
 
-    if _is_llama2c(source):
+    src = parse_source(source)
+    if src.kind == "llama2c":
         from engine.llama2c import read_llama2c
 
-        return ModelConfig.from_hf(read_llama2c(str(Path(source.removeprefix("llama2c:")).expanduser()))[0],
-                                   where=source)
-    path = resolve_model_dir(source) / "config.json"
+        return ModelConfig.from_hf(read_llama2c(str(Path(src.path).expanduser()))[0], where=str(src))
+    path = resolve_model_dir(src.path) / "config.json"
     if not path.exists():
         from engine.errors import WeightsError
 

@@ -221,9 +221,10 @@ class _EngineFactory:
         self._request = request
         self._models: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def _source(self, model: str) -> tuple[str, str]:
-        """(loader source, backend) for a suite model name, `builtin:NAME`, an HF dir / id or `llama2c:FILE`."""
-        from evalharness.data import builtin_path
+    def _source(self, model: str) -> tuple[Any, str]:
+        """(`engine.loading.ModelSource`, backend) for a suite model name, `builtin:NAME`, an HF dir / id or
+        `llama2c:FILE` (a suite's model names first, then the engine's source grammar)."""
+        from evalharness.fingerprint import model_source
 
         backend = "cpu-emulated"
         opts = self._request.getfixturevalue("numerics_options")
@@ -233,9 +234,7 @@ class _EngineFactory:
                 if spec.model["name"] == model:
                     model, backend = spec.model["path"], spec.backend
                     break
-        if model.startswith("builtin:"):
-            model = str(builtin_path(model.removeprefix("builtin:")))
-        return model, backend
+        return model_source({"path": model}), backend
 
     def __call__(self, model: str, recipe: Any, *, backend: str | None = None) -> EnginePair:
         """The engine for `recipe` (name, YAML path or Recipe) on `model`, and that model's FP32 reference."""

@@ -459,8 +459,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
                 log(f"[{done + i + 1}/{total}] {spec.key}: {name} done in {timing[f'{name}_s']:.1f}s "
                     f"({j}/{len(spec.evals)} evals)")
             data_sha = dict(ctx.data_hashes)
-            if hasattr(engine.nx, "coverage_summary"):  # cuda-native: which ops really ran on native kernels
-                metrics.update({f"native.{k}": v for k, v in engine.nx.coverage_summary().items()})
+            coverage = getattr(engine, "native_coverage", None)  # an optional engine method (engine.api.Engine)
+            metrics.update({f"native.{k}": v for k, v in (coverage() if coverage else {}).items()})
             status = "ok"
         except BAD_INPUT as exc:
             status, error = "error", {"type": type(exc).__name__, "message": str(exc), "bad_input": True}

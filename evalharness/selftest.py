@@ -177,11 +177,11 @@ def is_moe(model: dict[str, Any]) -> bool:
     """True when the model's config (a local HF folder or builtin) declares routed experts."""
     from evalharness.fingerprint import model_source
 
-    path = model["path"]
-    if path.startswith("llama2c:"):
-        return False
     try:
-        cfg = json.loads((Path(model_source(model)) / "config.json").read_text())
+        source = model_source(model)
+        if source.kind == "llama2c":
+            return False
+        cfg = json.loads((Path(source.path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
     return any(isinstance(cfg.get(k), int) and cfg[k] > 0 for k in _MOE_KEYS)

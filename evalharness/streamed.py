@@ -119,7 +119,7 @@ def map_logits(model, batches: Iterable[tuple], consume: Callable[[torch.Tensor,
                      offload=offload)[1]
 
 
-def open_streamed(source: str, device: str, ref_device: str, plan=None):
+def open_streamed(source, device: str, ref_device: str, plan=None):
     """A model opened for layer-streamed evaluation, reading only headers: (a `LoadedModel` without weights, for
     its config, source, folder and checkpoint hash; the `LayerStore`; the `StreamedReference` on `ref_device`).
     `plan` (`evalharness.memory_plan.MemoryPlan`): whether activations wait on the host between stages, and the
@@ -129,7 +129,7 @@ def open_streamed(source: str, device: str, ref_device: str, plan=None):
     from evalharness.streamed_reference import StreamedReference
 
     store = LayerStore.open(source)
-    loaded = LoadedModel(store.cfg, store.hf_config, {}, source, store.directory, checkpoint_sha256(source))
+    loaded = LoadedModel(store.cfg, store.hf_config, {}, str(source), store.directory, checkpoint_sha256(source))
     reference = StreamedReference(store, device=ref_device)
     store.offload = reference.offload = bool(plan is not None and plan.offload)
     store.resident_bytes = plan.resident_bytes if plan is not None else None

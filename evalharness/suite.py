@@ -43,13 +43,14 @@ from typing import Any
 
 import yaml
 
-from engine.errors import RecipeError
+from engine.errors import EngineError, RecipeError
+from engine.loading import parse_source
 from engine.recipe import Recipe, load_recipe
+from evalharness.data import BUILTIN_DIR
 from evalharness.errors import DataError, SuiteError
 from evalharness.results import run_key
 from evalharness.suite_schema import ServingEntry, SuiteFile, check_suite
 
-BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
 
 
@@ -128,9 +129,13 @@ def apply_overrides(raw: dict[str, Any], sets: list[str], where: str = "--set") 
             raise SuiteError(f"{where}: '{item}' must look like KEY=VALUE")
         key, value = item.split("=", 1)
         key = key.strip()
-        if key == "model":
-            name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", Path(value.removeprefix("llama2c:").rstrip("/")).name) or "model"
-            raw["models"] = [{"name": name.removesuffix(".bin"), "path": value}]
+        if key == "model":  # named after the source: its file stem / folder name, `builtin-NAME` for a built-in
+            try:
+                src = parse_source(value)
+            except EngineError as exc:
+                raise SuiteError(f"{where}: model={value}: {exc}") from None
+            name = src.text if src.kind == "builtin" else src.default_name
+            raw["models"] = [{"name": re.sub(r"[^A-Za-z0-9_.\-]+", "-", name) or "model", "path": value}]
         elif key == "recipe":
             raw["recipes"] = [v.strip() for v in value.split(",") if v.strip()]
         elif key in ("tokenizer", "corpus") and len(raw.get("models", [])) == 1:
@@ -159,8 +164,29 @@ def resolve_data_dir(cli_value: str | None, suite_value: str | None) -> Path | N
     return None
 
 
+def _relative(path: str, base: Path) -> str:
+    """A relative path that exists under the suite's folder (and not under the working directory) made absolute."""
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and (base / p).exists():
+        return str((base / p).resolve())
+    return path
+
+
+def _expand_source(value: str, data_dir: Path | None, base: Path) -> str | None:
+    """A model's `path`: ${data_dir} expanded, parsed by the engine's grammar (`engine.loading.parse_source`; an
+    unknown built-in is an error here), a relative file or folder resolved against the suite's folder; None when
+    it needs the data dir and there is none."""
+    if "${data_dir}" in value:
+        if data_dir is None:
+            return None
+        value = value.replace("${data_dir}", str(data_dir))
+    src = parse_source(value, builtin_dir=BUILTIN_DIR)
+    return src.text if src.kind == "builtin" else src.with_path(_relative(src.path, base)).text
+
+
 def _expand(value: Any, data_dir: Path | None, base: Path) -> Any:
-    """Expand ${data_dir} and resolve relative paths against the suite folder; None if data dir needed but unset."""
+    """A tokenizer or corpus: ${data_dir} expanded and a relative path resolved against the suite folder (behind a
+    `llama2c:` prefix too); None if it needs the data dir and there is none."""
     if not isinstance(value, str):
         return value
     if "${data_dir}" in value:
@@ -173,10 +199,7 @@ def _expand(value: Any, data_dir: Path | None, base: Path) -> Any:
             prefix, value = pre, value[len(pre):]
     if value.startswith("builtin:"):
         return prefix + value
-    p = Path(value).expanduser()
-    if not p.is_absolute() and not p.exists() and (base / p).exists():
-        value = str((base / p).resolve())
-    return prefix + value
+    return prefix + _relative(value, base)
 
 
 def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | None = None,
@@ -240,7 +263,10 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
             v = getattr(m, k) if getattr(m, k) is not None else (checked.corpus if k == "corpus" else None)
             if v is None:
                 continue
-            ev = _expand(str(v), ddir, base)
+            try:
+                ev = _expand_source(v, ddir, base) if k == "path" else _expand(str(v), ddir, base)
+            except EngineError as exc:
+                raise SuiteError(f"{path}: models[{i}].path: {exc}") from None
             if ev is None:
                 needs_data = True
             entry[k] = ev
