@@ -208,27 +208,17 @@ def bench_engine(model, recipe: str, batch: int, prompt: int, steps: int, runtim
 
     runtime=False: `Transformer.forward` over the contiguous KV cache, eager (one Python pass per step);
     runtime=True: `engine.runtime.PagedRuntime` (paged KV in the recipe's format, CUDA-graph decode).
-    pdl=False: the Triton kernels launch without programmatic dependent launch (engine.kernels.pdl);
-    rows tagged "-nopdl". policy: the engine's decode policy (engine.kernels.decode_plan.DecodePolicy; None: the
-    default).
+    pdl=False: the engine's kernels launch without programmatic dependent launch (`KernelOptions(pdl=False)`,
+    engine.kernels.pdl); rows tagged "-nopdl". policy: the engine's decode policy
+    (engine.kernels.decode_plan.DecodePolicy; None: the default).
     """
-    from engine.kernels import pdl as pdl_mod
-
-    old_pdl = pdl_mod.set_enabled(pdl)
-    try:
-        return _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m,
-                             "" if pdl else "-nopdl", policy)
-    finally:
-        pdl_mod.set_enabled(old_pdl)
-
-
-def _bench_engine(model, recipe, batch, prompt, steps, runtime, profile, small_m, pdl_tag, policy) -> dict:
-    """`bench_engine` with the PDL setting in place."""
     from engine.api import Engine
+    from engine.kernels.options import KernelOptions
     from engine.model import KVCache
 
+    pdl_tag = "" if pdl else "-nopdl"
     opts = dict({"small_m": small_m} if small_m is not None else {}, **({"decode_policy": policy} if policy else {}))
-    eng = Engine(model, recipe, backend="cuda-native", **opts)
+    eng = Engine(model, recipe, backend="cuda-native", options=KernelOptions(pdl=pdl), **opts)
     cfg = model.cfg
     toks = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
     state, rt = {}, None

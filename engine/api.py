@@ -20,20 +20,21 @@ from engine.recipe import Recipe, load_recipe, storage_bits
 from engine.serving import ServingConfig
 
 BACKENDS = ("cpu-emulated", "cuda-emulated", "cuda-native")
-KERNEL_OPTIONS = ("small_m", "attn_block", "legacy_blockwise", "decode_policy")
+KERNEL_OPTIONS = ("small_m", "attn_block", "decode_policy", "options")
 
 
 def make_numerics(recipe: Recipe, backend: str, **kernel_options) -> Numerics:
     """The dispatch object of a backend: the emulation, or `NativeNumerics` for `cuda-native`.
 
-    Kernel options (`small_m`, `attn_block`, `decode_policy`) only mean something to native kernels; the
-    emulation computes the same math whatever the tiling, so it ignores them.
+    Kernel options (`small_m`, `attn_block`, `decode_policy`, `options`: an `engine.kernels.options.KernelOptions`)
+    only mean something to native kernels; the emulation computes the same math whatever the tiling, so it
+    ignores them.
     """
     unknown = set(kernel_options) - set(KERNEL_OPTIONS)
     if unknown:
         raise ValueError(f"unknown kernel options {sorted(unknown)}; known: {', '.join(KERNEL_OPTIONS)}")
     if backend == "cuda-native":
-        from engine.native import NativeNumerics
+        from engine.backends.native import NativeNumerics
 
         return NativeNumerics(recipe, **kernel_options)
     return Numerics(recipe)
@@ -44,8 +45,9 @@ class Engine:
 
     `backend`: `cpu-emulated` / `cuda-emulated` (the same bit-exact
     emulation on either device) or `cuda-native` (real FP8 kernels,
-    `engine.native`); the model is moved to the backend's device.
-    `kernel_options` go to the native backend (`small_m`, `attn_block`).
+    `engine.backends.native`); the model is moved to the backend's device.
+    `kernel_options` go to the native backend (`small_m`, `attn_block`, `decode_policy`, `options`); what they
+    chose is `kernel_settings()`.
     `parallel` (tp / ep > 1) shards the model over the process group `group`
     (default: the whole world), see `engine.parallel`; `cfg` stays the whole
     model's config.
@@ -84,6 +86,16 @@ class Engine:
             self.model = ctx.local_model(self.model)
         self.weights = self.model.prepare(self.nx)
         self.cfg = model.cfg
+
+    def kernel_settings(self) -> dict:
+        """What chose this engine's kernels, JSON-ready, for a result's provenance: the backend and, on
+        `cuda-native`, its kernel variants (`KernelOptions`), the decode policy's summary, `small_m` and
+        `attn_block`. The emulated backends run no kernel: the backend alone."""
+        out = {"backend": self.backend}
+        settings = getattr(self.nx, "kernel_settings", None)
+        if settings is not None:
+            out.update(settings())
+        return out
 
     # ------------------------------------------------------- precision switching
     def enable_precision_switch(self, modules: Sequence[str], high: str = "bf16") -> dict[str, float]:

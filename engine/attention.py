@@ -57,11 +57,17 @@ class KVCache:
         return self.k[layer][:, :, :s + t], self.v[layer][:, :, :s + t]
 
 
-def _attn_output(nx: Numerics, w: Mapping[str, torch.Tensor], a: torch.Tensor, p: str, tp: str) -> torch.Tensor:
-    """attn.out rounding/quantization (FP8 output feeds o_proj directly), then o_proj; emits attn.out, attn.o_proj."""
+def _attn_output(nx: Numerics, w: Mapping[str, torch.Tensor], a: torch.Tensor, p: str, tp: str,
+                 fused: QTensor | None = None) -> torch.Tensor:
+    """attn.out rounding/quantization (FP8 output feeds o_proj directly), then o_proj; emits attn.out, attn.o_proj.
+    `fused`: the attention kernel stored `a` in the attn.out format already and quantized it for o_proj
+    (`Numerics.paged_attention`)."""
     out_spec = nx.recipe.spec("attn.out", tp + "attn.o_proj")
     a_in: torch.Tensor | QTensor
-    if out_spec in ("fp32", "bf16", "fp16"):
+    if fused is not None:
+        nx.emit(tp + "attn.out", a)
+        a_in = nx.act_quant(a, tp + "attn.o_proj", fused=fused)
+    elif out_spec in ("fp32", "bf16", "fp16"):
         a_in = nx.round(a, "attn.out", tp + "attn.o_proj")
         nx.emit(tp + "attn.out", a_in)
     else:  # FP8 attention output: the QTensor feeds o_proj directly (no re-quantization)
@@ -74,8 +80,10 @@ def _attn_output(nx: Numerics, w: Mapping[str, torch.Tensor], a: torch.Tensor, p
 
 
 def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, hn: torch.Tensor,
-                  pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-    """Multi-head / grouped-query attention of layer `i` on the normed input hn (batch, t, d) -> (batch, t, d).
+                  pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                  fused: QTensor | None = None) -> torch.Tensor:
+    """Multi-head / grouped-query attention of layer `i` on the normed input hn (batch, t, d) -> (batch, t, d);
+    `fused`: the norm's own quantization of hn (`Numerics.rmsnorm_quant`), if it made one.
 
     Optional q/k RMSNorm (`cfg.qk_norm`: per head for Qwen3, over the whole
     projection for OLMoE) between projection and RoPE, and OLMoE's clip_qkv.
@@ -83,7 +91,7 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     p, tp = f"model.layers.{i}.", f"layers.{i}."
     b, t, _ = hn.shape
     hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    hq = nx.act_quant(hn, tp + "attn.qkv")  # fused RMSNorm -> quant, shared by q/k/v
+    hq = nx.act_quant(hn, tp + "attn.qkv", fused=fused)  # fused RMSNorm -> quant, shared by q/k/v
     if nx.tapping:
         nx.emit(tp + "attn_norm", hq.dequantize())
     names = ("q_proj", "k_proj", "v_proj")
@@ -109,7 +117,8 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     q, k = nx.rope(q.view(b, t, h, hd).transpose(1, 2), k.view(b, t, hkv, hd).transpose(1, 2), cos, sin)
     v = v.view(b, t, hkv, hd).transpose(1, 2)  # (batch, kv_heads, t, hd)
     if cache is not None and hasattr(cache, "attend"):  # paged runtime: the cache stores (in format) and attends
-        return _attn_output(nx, w, cache.attend(nx, i, q, k, v, tp + "attn", cfg.window(i)), p, tp)
+        a, a_fused = cache.attend(nx, i, q, k, v, tp + "attn", cfg.window(i))
+        return _attn_output(nx, w, a, p, tp, a_fused)
     k = nx.kv_store(k, "kv.k", tp + "attn")
     v = nx.kv_store(v, "kv.v", tp + "attn")
     if cache is not None:
@@ -123,7 +132,7 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
 
 def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, hn: torch.Tensor,
                   pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, fused: QTensor | None = None) -> torch.Tensor:
     """DeepSeek multi-head latent attention of layer `i`: hn (batch, t, d) -> (batch, t, d).
 
     q = q_b(norm(q_a(x))) or q_proj(x), per head [q_nope | q_pe]; [c_kv | k_pe] =
@@ -136,7 +145,7 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     p, tp, a = f"model.layers.{i}.", f"layers.{i}.", f"model.layers.{i}.self_attn."
     b, t, _ = hn.shape
     h, nope, rope, dv = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    hq = nx.act_quant(hn, tp + "attn.qkv")  # fused RMSNorm -> quant, shared by q_a / q and kv_a
+    hq = nx.act_quant(hn, tp + "attn.qkv", fused=fused)  # fused RMSNorm -> quant, shared by q_a / q and kv_a
     if nx.tapping:
         nx.emit(tp + "attn_norm", hq.dequantize())
     if m.q_lora_rank is None:
@@ -144,8 +153,9 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     else:
         qa = nx.linear(hq, w[a + "q_a_proj.weight"], w.get(a + "q_a_proj.bias"), tp + "attn.q_a_proj")
         nx.emit(tp + "attn.q_a", qa)
-        qa = nx.rmsnorm(qa, w[a + "q_a_layernorm.weight"], m.latent_norm_eps, tp + "attn.q_a_layernorm")
-        qa_q = nx.act_quant(qa, tp + "attn.q_b_proj")  # fused RMSNorm -> quant
+        qa, qa_fused = nx.rmsnorm_quant(qa, w[a + "q_a_layernorm.weight"], m.latent_norm_eps,
+                                        tp + "attn.q_a_layernorm")
+        qa_q = nx.act_quant(qa, tp + "attn.q_b_proj", fused=qa_fused)  # fused RMSNorm -> quant
         q = nx.linear(qa_q, w[a + "q_b_proj.weight"], None, tp + "attn.q_b_proj")
     nx.emit(tp + "attn.q", q)  # (batch, t, heads*(nope+rope)), before RoPE
     kv_a = nx.linear(hq, w[a + "kv_a_proj_with_mqa.weight"], w.get(a + "kv_a_proj_with_mqa.bias"),

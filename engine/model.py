@@ -40,12 +40,13 @@ Canonical taps emitted per forward (ARCHITECTURE.md):
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
 from engine.attention import KVCache, gqa_attention, mla_attention
 from engine.config import ModelConfig
+from engine.formats import QTensor
 from engine.moe import dense_block, moe_block
 from engine.numerics import Numerics
 from engine.rope import apply_rope, mla_softmax_scale, rope_attention_factor, rope_inv_freq, rope_tables
@@ -59,14 +60,16 @@ _module_path = module_path  # kept for importers of the old private name
 
 @dataclasses.dataclass
 class LayerState:
-    """What one decoder layer reads: the residual stream x (batch, t, d), its attn_norm hn (batch, t, d), and the
-    positions with their RoPE tables (shared by all layers)."""
+    """What one decoder layer reads: the residual stream x (batch, t, d), its attn_norm hn (batch, t, d), the
+    positions with their RoPE tables (shared by all layers), and hq: the quantization of hn that the norm's
+    backend computed in the same pass (`Numerics.rmsnorm_quant`), None when it made none."""
 
     x: torch.Tensor
     hn: torch.Tensor
     pos: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    hq: Optional[QTensor] = None
 
 
 def prepare_weight(nx: Numerics, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -166,8 +169,8 @@ class Transformer:
         # Each residual add is taken together with the RMSNorm that reads its result (`Numerics.residual_norm`:
         # the next layer's attn_norm, or final_norm after the last layer), so a backend can fuse them.
         norm_w, norm_name = self.norm_after(w, -1)
-        hn = nx.rmsnorm(x, norm_w, cfg.rms_norm_eps, norm_name)
-        return LayerState(x, hn, pos, cos, sin)
+        hn, hq = nx.rmsnorm_quant(x, norm_w, cfg.rms_norm_eps, norm_name)
+        return LayerState(x, hn, pos, cos, sin, hq)
 
     def norm_after(self, w: Mapping[str, torch.Tensor], i: int) -> tuple[torch.Tensor, str]:
         """(weight, module name) of the RMSNorm that reads layer i's output: layer i+1's attn_norm, or final_norm."""
@@ -178,30 +181,30 @@ class Transformer:
     def forward_layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, state: LayerState,
                       cache: KVCache | None = None) -> LayerState:
         """Decoder layer i, then the residual add and the norm after it (`norm_after`): the next layer's state."""
-        x, m = self._layer(nx, w, i, state.x, state.hn, state.pos, state.cos, state.sin, cache)
+        x, m = self._layer(nx, w, i, state, cache)
         norm_w, norm_name = self.norm_after(w, i)
-        x, hn = nx.residual_norm(x, m, norm_w, self.cfg.rms_norm_eps, f"layers.{i}.resid_out", norm_name)
-        return dataclasses.replace(state, x=x, hn=hn)
+        x, hn, hq = nx.residual_norm(x, m, norm_w, self.cfg.rms_norm_eps, f"layers.{i}.resid_out", norm_name)
+        return dataclasses.replace(state, x=x, hn=hn, hq=hq)
 
     def forward_end(self, nx: Numerics, w: Mapping[str, torch.Tensor], state: LayerState) -> torch.Tensor:
         """The final norm's output (computed by the last layer's step) through the head: logits (batch, t, vocab)."""
         nx.emit("final_norm", state.hn)
-        logits = nx.lm_head(state.hn, w["lm_head.weight"])  # (batch, t, vocab) fp32
+        logits = nx.lm_head(state.hn, w["lm_head.weight"], state.hq)  # (batch, t, vocab) fp32
         nx.emit("logits", logits)
         return logits
 
-    def _layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, x: torch.Tensor, hn: torch.Tensor,
-               pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, nx: Numerics, w: Mapping[str, torch.Tensor], i: int, s: LayerState,
                cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer on the residual stream x and its attn_norm hn: (x + attn(hn) = resid_mid,
+        """One decoder layer on the residual stream s.x and its attn_norm s.hn: (x + attn(hn) = resid_mid,
         mlp(norm(resid_mid))) -- the caller adds the MLP output (with the next norm)."""
         cfg = self.cfg
         p, tp = f"model.layers.{i}.", f"layers.{i}."
         if cfg.mla is not None:
-            o = mla_attention(nx, w, cfg, i, hn, pos, cos, sin, cache, self.softmax_scale)
+            o = mla_attention(nx, w, cfg, i, s.hn, s.pos, s.cos, s.sin, cache, self.softmax_scale, fused=s.hq)
         else:
-            o = gqa_attention(nx, w, cfg, i, hn, pos, cos, sin, cache)
-        x, hn = nx.residual_norm(x, o, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, tp + "resid_mid",
-                                 tp + "mlp_norm")
-        m = moe_block(nx, w, cfg, i, hn) if cfg.is_moe(i) else dense_block(nx, w, i, hn)
+            o = gqa_attention(nx, w, cfg, i, s.hn, s.pos, s.cos, s.sin, cache, fused=s.hq)
+        x, hn, hq = nx.residual_norm(s.x, o, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps,
+                                     tp + "resid_mid", tp + "mlp_norm")
+        # the MoE block quantizes its (tokens, d) view of hn at `moe.input` itself
+        m = moe_block(nx, w, cfg, i, hn) if cfg.is_moe(i) else dense_block(nx, w, i, hn, fused=hq)
         return x, m

@@ -27,17 +27,19 @@ def swiglu_mlp(nx: Numerics, w: Mapping[str, torch.Tensor], hq: QTensor, prefix:
     g, u = nx.linears(hq, [w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]],
                       [w.get(prefix + "gate_proj.bias"), w.get(prefix + "up_proj.bias")],
                       [module + ".gate_proj", module + ".up_proj"])
-    act = nx.swiglu(g, u, module)
-    aq = nx.act_quant(act, module + ".down_proj")  # fused SwiGLU -> quant
+    act, fused = nx.swiglu(g, u, module)
+    aq = nx.act_quant(act, module + ".down_proj", fused=fused)  # fused SwiGLU -> quant
     if act_tap is not None and nx.tapping:
         nx.emit(act_tap, aq.dequantize())
     return nx.linear(aq, w[prefix + "down_proj.weight"], w.get(prefix + "down_proj.bias"), module + ".down_proj")
 
 
-def dense_block(nx: Numerics, w: Mapping[str, torch.Tensor], i: int, hn: torch.Tensor) -> torch.Tensor:
-    """The dense MLP of layer `i` on the normed input (batch, t, d); emits mlp_norm, mlp.act, mlp.out."""
+def dense_block(nx: Numerics, w: Mapping[str, torch.Tensor], i: int, hn: torch.Tensor,
+                fused: QTensor | None = None) -> torch.Tensor:
+    """The dense MLP of layer `i` on the normed input (batch, t, d) (`fused`: the norm's own quantization of it,
+    `Numerics.rmsnorm_quant`); emits mlp_norm, mlp.act, mlp.out."""
     p, tp = f"model.layers.{i}.", f"layers.{i}."
-    hq = nx.act_quant(hn, tp + "mlp.gate_up")  # fused RMSNorm -> quant, shared by gate/up
+    hq = nx.act_quant(hn, tp + "mlp.gate_up", fused=fused)  # fused RMSNorm -> quant, shared by gate/up
     if nx.tapping:
         nx.emit(tp + "mlp_norm", hq.dequantize())
     m = swiglu_mlp(nx, w, hq, p + "mlp.", tp + "mlp", tp + "mlp.act")

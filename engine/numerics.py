@@ -125,14 +125,20 @@ class Numerics:
         h = h * torch.rsqrt(var + eps)
         return (weight.to(dtype) * h).float()
 
+    def rmsnorm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      module: str) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """An RMSNorm whose output feeds GEMMs: (normed values, fused) where `fused` is the quantization of exactly
+        those values that a backend computed in the same pass (None here: the consumer's `act_quant` quantizes)."""
+        return self.rmsnorm(x, weight, eps, module), None
+
     def residual_norm(self, x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float, resid: str,
-                      norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm: str) -> tuple[torch.Tensor, torch.Tensor, Optional[QTensor]]:
         """The residual add and the RMSNorm after it: x' = residual-rounded (x + o), emitted as tap `resid`,
-        and rmsnorm(x') in module `norm`. Returns (x', normed). One dispatch point so a backend can fuse
-        the add, the residual rounding, the norm and the quantization that follows into one pass."""
+        and rmsnorm(x') in module `norm`. Returns (x', normed, fused) as `rmsnorm_quant`. One dispatch point so a
+        backend can fuse the add, the residual rounding, the norm and the quantization that follows into one pass."""
         x = self.round(x + o, "residual", resid)
         self.emit(resid, x)
-        return x, self.rmsnorm(x, weight, eps, norm)
+        return (x, *self.rmsnorm_quant(x, weight, eps, norm))
 
     def linears(self, x: torch.Tensor | QTensor, ws: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
                 modules: Sequence[str]) -> list[torch.Tensor]:
@@ -150,22 +156,26 @@ class Numerics:
         values); a backend may store the table in that format and dequantize only the rows it looks up."""
         return F.embedding(tokens, w)
 
-    def lm_head(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def lm_head(self, h: torch.Tensor, w: torch.Tensor, fused: Optional[QTensor] = None) -> torch.Tensor:
         """Logits (..., vocab) fp32 of the final-norm output h: the head's input format (a float type, or the
-        linear input quantization), then an fp32 GEMM on the prepared head weight."""
+        linear input quantization, taking the final norm's `fused` one as `act_quant` does), then an fp32 GEMM
+        on the prepared head weight."""
         spec = self.recipe.spec("lm_head", "lm_head")
         if spec in _FLOAT_DTYPES:
             h = self.round(h, "lm_head", "lm_head")  # high-precision head: input in the same float type
         else:
-            h = self.quant(h, "linear.input", "lm_head").dequantize()
+            h = self.act_quant(h, "lm_head", fused=fused).dequantize()
         return F.linear(h, w)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
-        """silu(gate) * up in fp32 (the SwiGLU half of SwiGLU+quant; `act_quant` follows)."""
-        return F.silu(gate) * up
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """silu(gate) * up in fp32, and `fused` as `rmsnorm_quant` (None here; `act_quant` follows)."""
+        return F.silu(gate) * up, None
 
-    def act_quant(self, x: torch.Tensor, module: str, site: str = "linear.input") -> QTensor:
-        """The fused '-> quant' half of norm+quant and SwiGLU+quant: one QTensor feeds every consumer GEMM."""
+    def act_quant(self, x: torch.Tensor, module: str, site: str = "linear.input",
+                  fused: Optional[QTensor] = None) -> QTensor:
+        """The '-> quant' half of norm+quant and SwiGLU+quant: one QTensor feeds every consumer GEMM. `fused`:
+        the quantization of exactly x that x's producer returned (`rmsnorm_quant`, `residual_norm`, `swiglu`,
+        `paged_attention`); a backend returns it when it is this site's format. The emulation makes none."""
         return self.quant(x, site, module)
 
     def linear(self, x: torch.Tensor | QTensor, w: torch.Tensor, bias: torch.Tensor | None, module: str,
@@ -270,10 +280,11 @@ class Numerics:
         return False
 
     def paged_attention(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
-                        window: int | None) -> torch.Tensor:
+                        window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
         """The paged runtime's attention: store this call's K/V (batch, kv_heads, t, d) in the pages of `view`
         (an `engine.runtime` view: its runtime's cache, the rows' sequence ids and start positions), then attend;
-        (batch, t, heads*dv) fp32. The emulation writes through the formats library (a KV format the pages do not
+        (out (batch, t, heads*dv) fp32, fused): a backend whose kernel stores the output in the `attn.out` format
+        and quantizes it for o_proj returns that quantization as `fused` (None here). The emulation writes through the formats library (a KV format the pages do not
         hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
         rt, t = view.rt, q.shape[2]
         if rt.store_emulated:
@@ -286,7 +297,7 @@ class Numerics:
             kb, vb = rt.kv.gather(layer, int(view.seq_ids[b]), n)
             outs.append(self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
                                        window))
-        return torch.cat(outs)
+        return torch.cat(outs), None
 
     def use_query_carrier(self) -> None:
         """Called by the paged runtime when this backend attends on its pages (`pages_native`): a backend whose

@@ -31,6 +31,7 @@ from engine.serving import ServingConfig
 
 if TYPE_CHECKING:
     from engine.api import Engine
+    from engine.formats import QTensor
 
 _PAGED_K = ("e4m3:head", "e4m3:token")
 _PAGED_V = ("e4m3:1x128", "e4m3:token")
@@ -59,9 +60,9 @@ class _PagedView:
         return self._rows[t]
 
     def attend(self, nx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
-               window: Optional[int]) -> torch.Tensor:
-        """Store this call's K/V (batch, kv_heads, t, d) in the pages, then attend: (batch, t, heads*dv) fp32
-        (the backend's `paged_attention`)."""
+               window: Optional[int]) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """Store this call's K/V (batch, kv_heads, t, d) in the pages, then attend: ((batch, t, heads*dv) fp32,
+        the kernel's own quantization of it for o_proj or None) -- the backend's `paged_attention`."""
         return nx.paged_attention(self, layer, q, k, v, module, window)
 
 

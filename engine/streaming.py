@@ -403,9 +403,9 @@ def layer_fed(model: Transformer, nx, w: Mapping[str, torch.Tensor], i: int, x: 
     tap, observer, local = nx.tap, nx.observer, nx.local
     nx.tap, nx.observer, nx.local = None, None, None
     try:
-        hn = nx.rmsnorm(x, w[f"model.layers.{i}.input_layernorm.weight"], model.cfg.rms_norm_eps,
-                        f"layers.{i}.attn_norm")
-        return model.forward_layer(nx, w, i, LayerState(x, hn, like.pos, like.cos, like.sin)).x
+        hn, hq = nx.rmsnorm_quant(x, w[f"model.layers.{i}.input_layernorm.weight"], model.cfg.rms_norm_eps,
+                                  f"layers.{i}.attn_norm")
+        return model.forward_layer(nx, w, i, LayerState(x, hn, like.pos, like.cos, like.sin, hq)).x
     finally:
         nx.tap, nx.observer, nx.local = tap, observer, local
 

@@ -33,8 +33,6 @@ Paths:
 * :func:`fp8_tensor_linear`: the same Triton kernel with broadcast (stride-0) scales for small M,
   cuBLAS tensor-wise FP8 otherwise.
 * MX / NVFP4 weights: :func:`engine.kernels.gemm_mx.mx_linear`.
-* :func:`legacy_scaled_mm_blockwise`: the OLD ``torch._scaled_mm`` call with unpadded scales,
-  kept only so a test can reproduce its silent wrong results (see its docstring).
 
 Split-K partial sums go to an fp32 buffer that a second kernel reduces in a fixed order (or, with
 ``fused_reduce``, the last split of each tile -- found with an arrival counter -- sums them in the
@@ -58,6 +56,7 @@ import torch.nn.functional as F
 
 from engine.kernels.decode_plan import DecodePolicy
 from engine.kernels.gemm_fp8 import FP8, _launch_fp8
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.splitk import GROUP, _bad, _cdiv, _check_out, _round_up, _rows
 
 
@@ -101,7 +100,8 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
                           block_n: Optional[int] = None, num_warps: Optional[int] = None,
                           num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None,
                           whole_k: Optional[int] = None, sliced: Optional[int] = None, wgmma: Optional[int] = None,
-                          policy: Optional[DecodePolicy] = None) -> torch.Tensor:
+                          policy: Optional[DecodePolicy] = None,
+                          options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """The Triton FP8 block-scaled GEMM for any M (decode tiles + split-K up to M = 64, 128x128 tiles above).
 
     x_data (..., K) fp8 + x_scale (..., ceil(K/128)); w_data (N, K) fp8 + w_scale (ceil(N/128),
@@ -132,7 +132,7 @@ def fp8_block_gemm_triton(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: t
     bias = _check_out(out_dtype, bias, w.shape[0])
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
                       bias, out_dtype, split_k, block_n, num_warps, num_stages, fused_reduce, whole_k=whole_k,
-                      sliced=sliced, wgmma=wgmma, policy=policy)
+                      sliced=sliced, wgmma=wgmma, policy=policy, options=options)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -158,7 +158,7 @@ def scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: tor
     Padding (H200_FACTS): M to a multiple of 4 (cuBLAS blockwise refuses other M), K and N to
     multiples of 16 (zero data; the scale grids do not change), activation scales (Mp, Kb) with
     strides (1, Mp), weight scales padded to (round_up(Kb, 4), Nb) with strides (1, round_up(Kb, 4))
-    -- without that padding the old API reads the wrong scales (see legacy_scaled_mm_blockwise).
+    -- without that padding the old API reads the wrong scales (tests/support/legacy_scaled_mm.py).
     Shapes as :func:`fp8_block_gemm_triton`. Raises RuntimeError (or what torch raises) when
     ``F.scaled_mm`` is missing or refuses the call; :func:`fp8_block_linear` catches that.
     """
@@ -188,7 +188,7 @@ def scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: tor
 def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
                      small_m: int = 64, out_round: Optional[str] = None,
-                     policy: Optional[DecodePolicy] = None) -> torch.Tensor:
+                     policy: Optional[DecodePolicy] = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for e4m3:1x128 activations and e4m3:128x128 weights.
 
     Args:
@@ -202,6 +202,7 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
             there); larger M runs cuBLAS blockwise (:func:`scaled_mm_blockwise`), or the Triton
             kernel with large tiles when cuBLAS is missing / refuses (with a warning).
         policy: the decode plan (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`).
+        options: the backend's kernel variants (`engine.kernels.options.KernelOptions`: PDL).
 
     Returns:
         (M, N) (or (..., N)) in out_dtype.
@@ -221,7 +222,7 @@ def fp8_block_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.
                           f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
                           "using the Triton blockwise GEMM", RuntimeWarning, stacklevel=2)
     out = _launch_fp8(x, xs, (xs.stride(0), xs.stride(1)), w, ws, (ws.stride(0), ws.stride(1)),
-                      bias, out_dtype, None, round_bf16=out_round is not None, policy=policy)
+                      bias, out_dtype, None, round_bf16=out_round is not None, policy=policy, options=options)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -248,24 +249,6 @@ def fp8_block_linear_reference(x_data: torch.Tensor, x_scale: torch.Tensor, w_da
     xf = x.float() * _expand_block_scale(xs, m, k, 1, GROUP)
     wf = w.float() * _expand_block_scale(ws, n, k, GROUP, GROUP)
     return _ref_matmul(xf, wf, bias, out_dtype).reshape(*lead, n)
-
-
-def legacy_scaled_mm_blockwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
-                               w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """!!! KNOWN-WRONG: DO NOT USE FOR COMPUTATION. Exists only to reproduce a silent-error trap. !!!
-
-    The old ``torch._scaled_mm`` call with the *unpadded* 1x128 x 128x128 scales (x_scale (M, Kb)
-    with strides (1, M); w_scale.t() (Kb, Nb) with strides (1, Kb)). On torch 2.11 + H200 it
-    returns relative errors of 0.38-0.53, with no exception, whenever K/128 is not a multiple of 4
-    (K = 640, 896, 1152, 1408): cuBLAS reads the weight-scale grid with a leading dimension padded
-    to a multiple of 4, i.e. the wrong scales. :func:`scaled_mm_blockwise` pads correctly. A
-    numerics harness must catch exactly this class of bug; tests/engine/kernels/gemm/test_fp8_block.py keeps it caught.
-    Needs M % 4 == 0 and K, N multiples of 16 (it does no padding).
-    """
-    x, xs, w, ws, _ = _block_operands(x_data, x_scale, w_data, w_scale)
-    sa = xs.t().contiguous().t()
-    sb = ws.contiguous().t()
-    return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 # ============================================================================ FP8 per-tensor
@@ -308,7 +291,8 @@ def scaled_mm_tensorwise(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: to
 
 def fp8_tensor_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
                       bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                      small_m: int = 64, policy: Optional[DecodePolicy] = None) -> torch.Tensor:
+                      small_m: int = 64, policy: Optional[DecodePolicy] = None,
+                      options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for per-tensor FP8 (e4m3:tensor) operands.
 
     x_data (M, K) (or (..., K)) float8_e4m3fn, x_scale one fp32; w_data (N, K), w_scale one fp32;
@@ -324,7 +308,7 @@ def fp8_tensor_linear(x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch
             warnings.warn(f"fp8_tensor_linear: cuBLAS tensor-wise FP8 refused (M, K, N) = "
                           f"({x.shape[0]}, {x.shape[1]}, {w.shape[0]}): {str(exc).splitlines()[0]}; "
                           "using the Triton GEMM", RuntimeWarning, stacklevel=2)
-    out = _launch_fp8(x, xs, (0, 0), w, ws, (0, 0), bias, out_dtype, None, policy=policy)
+    out = _launch_fp8(x, xs, (0, 0), w, ws, (0, 0), bias, out_dtype, None, policy=policy, options=options)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -338,6 +322,6 @@ def fp8_tensor_linear_reference(x_data: torch.Tensor, x_scale: torch.Tensor, w_d
 
 __all__ = [
     "fp8_block_gemm_triton", "fp8_block_linear", "fp8_block_linear_reference", "fp8_tensor_linear",
-    "fp8_tensor_linear_reference", "has_scaled_mm", "legacy_scaled_mm_blockwise", "scaled_mm_blockwise",
+    "fp8_tensor_linear_reference", "has_scaled_mm", "scaled_mm_blockwise",
     "scaled_mm_tensorwise",
 ]

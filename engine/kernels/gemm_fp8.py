@@ -20,6 +20,7 @@ import triton.language as tl
 from engine.kernels import gemm_wgmma as gw
 from engine.kernels import sm_count
 from engine.kernels.quant import _round_bf16
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.pdl import launch_opts, pdl_enter
 from engine.kernels import decode_plan as plan
 from engine.kernels import splitk as sk
@@ -207,22 +208,23 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, N, K, stri
 
 def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
-                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4) -> None:
+                 round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
+                 pdl: bool = True) -> None:
     """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
-    H200 sweep (2026-11-29): 8 rows x 8 groups per step."""
+    H200 sweep (2026-11-29): 8 rows x 8 groups per step. `pdl`: `KernelOptions.pdl` (every launcher here)."""
     n, k = w.shape
     gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
     _fp8_gemv_kernel[(_cdiv(n, block_n),)](
         x, xs, w, ws, out, bias if bias is not None else out, n, k, w.stride(0), xs_strides[1], *ws_strides,
         BN=block_n, GK=gk, STAGES=num_stages, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
-        num_warps=num_warps, **launch_opts(x))
+        num_warps=num_warps, **launch_opts(x, pdl))
 
 
 def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                    ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
                    round_bf16: bool, slices: int, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                    num_stages: Optional[int] = None, per: Optional[int] = None,
-                   policy: DecodePolicy = DEFAULT_POLICY) -> None:
+                   policy: DecodePolicy = DEFAULT_POLICY, pdl: bool = True) -> None:
     """`_fp8_sliced_gemm_kernel` on x (M, K), w (N, K) into out (M, N): `slices` K slices of `per` 128-groups (default
     ceil(K/128 / slices), as `_plan_split`) and block_n weight rows each (default 64 / slices: 64-row MMA tiles) per
     program, activation tiles of BM = the next power of two >= M (at least 16 / slices columns per slice, so that the
@@ -247,19 +249,20 @@ def _launch_sliced(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int
     _fp8_sliced_gemm_kernel[grid](x, xs, w, ws, out, bias if bias is not None else out, m, n, k, per,
                                   x.stride(0), w.stride(0), *xs_strides, *ws_strides, BM=bm, R=rows, S=slices,
                                   HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=num_warps or 4,
-                                  num_stages=stages, **launch_opts(x))
+                                  num_stages=stages, **launch_opts(x, pdl))
 
 
 def _launch_wgmma(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor,
                   ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
-                  round_bf16: bool, gps: int, splits: int, num_stages: Optional[int]) -> bool:
+                  round_bf16: bool, gps: int, splits: int, num_stages: Optional[int], pdl: bool = True) -> bool:
     """The Gluon wgmma kernel with the activation on the wgmma's N side (`gemm_wgmma.launch(swap=True)`, 64 weight
     rows per program), `splits` K splits and num_stages pipeline stages (default `gemm_wgmma.swap_stages`), when it
     can run here; False (nothing launched) when it cannot."""
     stages = num_stages or gw.swap_stages(x.shape[0], _cdiv(x.shape[1], GROUP), splits, gps)
     if not gw.usable(x, w, 64, stages, gps, splits, True):
         return False
-    gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, 64, stages, gps, splits=splits, swap=True)
+    gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, 64, stages, gps, splits=splits, swap=True,
+              pdl=pdl)
     return True
 
 
@@ -269,12 +272,14 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                 num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                 fused_reduce: Optional[bool] = None, round_bf16: bool = False,
                 whole_k: Optional[int] = None, sliced: Optional[int] = None, wgmma: Optional[int] = None,
-                policy: Optional[DecodePolicy] = None) -> torch.Tensor:
+                policy: Optional[DecodePolicy] = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """Run the Triton FP8 GEMM on x (M, K), w (N, K) with the given scale strides; out (M, N).
 
     Knobs left None come from the policy's decode entry (all of them, when one matches) or its rules: `_tiles` (BN,
-    warps, stages; on big decode weights `_decode_stages`), `_split_k`, the fused reduce on CUDA."""
+    warps, stages; on big decode weights `_decode_stages`), `_split_k`, the fused reduce on CUDA. `options`: the
+    backend's kernel variants (PDL)."""
     policy = policy or DEFAULT_POLICY
+    pdl = options.pdl
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
@@ -287,7 +292,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
                  fused_reduce=fused_reduce, whole_k=whole_k, sliced=sliced, wgmma=wgmma)
     if m == 1 and x.is_cuda and policy.gemv_m1 and all(v is None for v in knobs.values()):
         _launch_gemv(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16,
-                     **plan._gemv_knobs(n, k, x.device, policy))
+                     **plan._gemv_knobs(n, k, x.device, policy), pdl=pdl)
         return out
     cfg = _decode_knobs(m, n, k, x.device, knobs, policy)
     opt_outs = _opt_outs(cfg)
@@ -302,14 +307,14 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
         gps = cfg.get("whole_k") if cfg.get("whole_k") in (2, 4) else gw.GPS
         wstages = cfg.get("num_stages") or gw.default_stages(wbn, gps)
         if gw.usable(x, w, wbn, wstages, gps):
-            gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, wbn, wstages, gps)
+            gw.launch(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, wbn, wstages, gps, pdl=pdl)
             return out
         # not here (device / layout / shape): the heuristic's split-K call, or for an explicit whole_k the same
         # math in the split-K kernel (one split: the same bits on the H200)
         cfg = opt_outs if auto else dict(cfg, split_k=1)
     if cfg.get("sliced") and not isinstance(cfg["sliced"], bool):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, cfg["sliced"],
-                       cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"), policy=policy)
+                       cfg.get("block_n"), cfg.get("num_warps"), cfg.get("num_stages"), policy=policy, pdl=pdl)
         return out
     bm, bn, warps, stages = _tiles(m)
     bn = cfg.get("block_n") or bn
@@ -321,14 +326,14 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
             raise _bad(f"wgmma with block_n={bn}: the wgmma kernel's weight tile is 64 rows (its wgmma M)")
         gps = cfg["wgmma"] if cfg["wgmma"] in (2, 4) else gw.GPS  # (True == 1: the default)
         if _launch_wgmma(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, gps, splits,
-                         cfg.get("num_stages")):
+                         cfg.get("num_stages"), pdl):
             return out
         if auto:  # the rule's kernel cannot run here: the split rule's own call
             cfg = opt_outs
             splits, per = _plan_split(m, n, _cdiv(k, GROUP), bm, bn, x.device, None, policy=policy)
     if _sliced_instead(x, m, splits, bn, cfg.get("num_warps") or warps, cfg, policy):
         _launch_sliced(x, xs, xs_strides, w, ws, ws_strides, bias, out, round_bf16, splits, None, 4,
-                       cfg.get("num_stages"), per, policy=policy)
+                       cfg.get("num_stages"), per, policy=policy, pdl=pdl)
         return out
     fr = cfg.get("fused_reduce")
     fused = (policy.fused_reduce and x.is_cuda if fr is None else bool(fr)) and splits > 1
@@ -344,7 +349,7 @@ def _launch_fp8(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], 
     if x.is_cuda and m <= 64 and n * k >= policy.tune_min_weight and not explicit:  # big decode weight
         stages = _decode_stages(grid[0] * grid[1] * grid[2], sm_count(x.device), policy.decode_stages)
     _fp8_block_gemm_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps") or warps,
-                                 num_stages=cfg.get("num_stages") or stages, **launch_opts(x))
+                                 num_stages=cfg.get("num_stages") or stages, **launch_opts(x, pdl))
     if splits > 1 and not fused:
-        sk._reduce(part, out, bias, None, round_bf16)
+        sk._reduce(part, out, bias, None, round_bf16, pdl)
     return out

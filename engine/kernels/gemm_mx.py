@@ -23,6 +23,7 @@ from engine.kernels import splitk as sk
 from engine.kernels.decode_plan import DEFAULT_POLICY, DecodePolicy, _plan_split, _tiles
 from engine.kernels.gemm import _expand_block_scale, _pad2, _ref_matmul
 from engine.kernels.gemm_fp8 import FP8
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.splitk import (_bad, _cdiv, _check_out, _epilogue, _last_split_reduce, _round_up, _rows,
                                    _tile_counters)
 
@@ -257,13 +258,11 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
                            cnt_ptr, BN, BM, HAS_BIAS, HAS_TS, False, RED)
 # NVFP4's E4M3 block scales decoded by bit arithmetic (`_e4m3_to_f32`) instead of the FP8 cast (same values).
 MX_SCALE_BITS = True
-# Each row's block scales loaded as one tile per 64 columns, a chunk ahead, and E2M1 decoded by shifts and one multiply
-# (`_chunk_scales`, `_spread_scales`, `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and
-# `_e2m1_to_f32` (same bits).
-MX_ROW_SCALES = True
-# With MX_ROW_SCALES on NVIDIA CUDA: packed E2M1 decoded to bf16 by PRMT table lookups in inline PTX
-# (`_e2m1_bytes_to_bf16`) and multiplied by the block scales in bf16 (same bits; never under the CPU interpreter).
-MX_FP4_PTX = True
+# The backend's `KernelOptions` pick two variants of `_mx_gemm_kernel` (same bits): `mx_row_scales` loads each row's
+# block scales as one tile per 64 columns, a chunk ahead, and decodes E2M1 by shifts and one multiply (`_chunk_scales`,
+# `_spread_scales`, `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and `_e2m1_to_f32`;
+# `mx_fp4_ptx` (with row scales, on NVIDIA CUDA) decodes packed E2M1 to bf16 by PRMT table lookups in inline PTX
+# (`_e2m1_bytes_to_bf16`) and multiplies by the block scales in bf16 (never under the CPU interpreter).
 
 
 # ============================================================================ MX / NVFP4
@@ -387,7 +386,8 @@ def _mx_operands(x: Any, w: Any, x_scale: Optional[torch.Tensor]):
 
 def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
               out_dtype: torch.dtype = torch.bfloat16, split_k: Optional[int] = None,
-              fused_reduce: Optional[bool] = None, policy: Optional[DecodePolicy] = None) -> torch.Tensor:
+              fused_reduce: Optional[bool] = None, policy: Optional[DecodePolicy] = None,
+              options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with an MXFP8 / MXFP4 / NVFP4 weight, dequantized inside the Triton kernel.
 
     Args:
@@ -403,6 +403,8 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
             the policy's `fused_reduce` on CUDA.
         policy: the decode plan's rules (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`): the
             MX split rule and the fused reduce.
+        options: the backend's kernel variants (`engine.kernels.options.KernelOptions`: `mx_row_scales`,
+            `mx_fp4_ptx`, PDL of the separate reduce).
 
     Returns:
         (M, N) (or (..., N)) in out_dtype.
@@ -431,12 +433,13 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
         x2.stride(0), xs.stride(0) if xs is not None else 0, w.data.stride(0), w.scale.stride(0),
         BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
         HAS_TS=ts is not None, USE_PART=splits > 1, HAS_BIAS=bias is not None, SCALE_BITS=MX_SCALE_BITS,
-        ROW_SCALES=MX_ROW_SCALES, FP4_PTX=MX_FP4_PTX and x2.is_cuda and torch.version.hip is None,
+        ROW_SCALES=options.mx_row_scales,
+        FP4_PTX=options.mx_fp4_ptx and x2.is_cuda and torch.version.hip is None,
         FUSED_REDUCE=fused,
         RED=sk.reduce_burst(splits, grid[0] * grid[1] * grid[2], sm_count(x2.device)) if fused else 1,
         num_warps=4, num_stages=3)
     if splits > 1 and not fused:
-        sk._reduce(part, out, bias, ts)
+        sk._reduce(part, out, bias, ts, pdl=options.pdl)
     return out.reshape(*lead, n)
 
 

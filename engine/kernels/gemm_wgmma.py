@@ -28,26 +28,11 @@ The loop:
 Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group order,
 and split partials are summed in split order from zero: on the H200 the output is bit-identical to the split-K Triton
 kernel with 64-row tiles and the same K partition, in both orientations (80 of 80 configs checked on the H200,
-2026-11-30). ``launch(rotate=True)`` starts each
-program's K walk at its own chunk instead (a different fixed order); ``launch(warp_spec=True)`` moves the TMA refills
-to a producer warp (`gl.warp_specialize`; same bits).
+2026-11-30).
 
-Measured (H200, 2026-11-30):
-
-* M side, whole K, M = 4 / 16: 32.8-39.4 us on 4096x14336, one call, against ~21 us for split-K: the time follows
-  the number of 128-groups a program walks (~0.3 us each) because of the 64 padded activation rows. Swapped, the
-  same whole-K walk takes 22.2 us at M = 4.
-* swap with splits, 4096x14336: one call after a clean L2 flush 20.4-21.6 us at M = 4, about the split-K kernel's
-  20.7 (the timed call's fixed cost is ~3.5 us: an empty kernel; the fastest pure read of the bytes takes 17.4 us);
-  in a CUDA graph over weight copies 16.7-17.4 us at M = 4 / 8 and 17.5-17.9 at M = 16, against 17.5 / 18.6 / 19.1
-  for the split-K kernel. Llama-3-8B decode step at batch 8 / 16: 2.2-2.5% / 1.5-1.8% faster with the four BM-16
-  entries.
-* the reduce's partials loaded 2 / 4 per L2 round trip (`engine.kernels.splitk.reduce_burst`): 4096x14336 at M = 4
-  one call 21.5 -> 20.6 us. With 32 activation rows the kernel also serves the H200's BM-32 entries (M 17-32): the
-  Llama-3-8B decode step at batch 24 / 32 is 10% / 13% faster than on split-K.
-* on 57 decode shapes without an entry, the rule's plan (`engine.kernels.decode_plan.wgmma_plan`) takes 0.85-0.88x the
-  split-K heuristic's time per sweep (geometric means, CUDA graph); a Qwen2.5-7B-shaped decode step at batch
-  4 / 16 / 32 is 2% / 2% / 8% faster.
+Which calls take it is `engine.kernels.decode_plan`'s decision (the device's decode entries; `wgmma_plan` at M 2-32,
+whole K at M 33-64 on sm_90); the measurements behind that rule are in docs/design/performance.md (Decode GEMMs),
+from benchmarks/results/h200-2026-11-30/probe_wgmma_sweep.txt.
 """
 
 from __future__ import annotations
@@ -73,21 +58,15 @@ def _pdl_enter():
 
 
 @gluon.jit
-def _now():
-    """%globaltimer (ns), for the TIMES probe build."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS: gl.constexpr, GPS: gl.constexpr,
+def _request(x_desc, w_desc, x_smem, w_smem, bars, i, nch, c0, NS: gl.constexpr, GPS: gl.constexpr,
              WEIGHT: gl.constexpr, ACT: gl.constexpr):
-    """TMA the chunk of loop iteration i -- chunk c = c0 + (i + start) % nch, 128-groups c * GPS ... c * GPS + GPS - 1
+    """TMA the chunk of loop iteration i -- chunk c = c0 + i % nch, 128-groups c * GPS ... c * GPS + GPS - 1
     (c0: the program's K split) -- of the weight and / or activation into stage i % NS (nothing when i >= nch;
     groups past K are zero-filled by TMA). The stage's barrier expects all of the chunk's bytes (set with the weight,
     or with the activation when WEIGHT is off)."""
     st = i % NS
     ok = i < nch
-    c = c0 + (i + start) % nch
+    c = c0 + i % nch
     if WEIGHT:
         mbarrier.expect(bars.index(st), GPS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes), pred=ok)
         for j in gl.static_range(GPS):
@@ -160,31 +139,6 @@ def _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, b, g, srow: gl.constexpr
 
 
 @gluon.jit
-def _consume(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, ready, empty, nch, start, srow: gl.constexpr,
-             NS: gl.constexpr, GPS: gl.constexpr, SWAP: gl.constexpr):
-    """Warp-specialized consumer (the default partition, one warpgroup): each stage's dots as it arrives, then the
-    stage handed back to the producer through its `empty` barrier."""
-    for i in range(0, nch):
-        st = i % NS
-        mbarrier.wait(ready.index(st), (i // NS) & 1)
-        acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                     ((i + start) % nch) * GPS, srow, GPS, SWAP)
-        gl.thread_barrier()  # every consumer warp is past this stage's wgmmas
-        mbarrier.arrive(empty.index(st))
-    return (acc, )
-
-
-@gluon.jit
-def _produce(x_desc, w_desc, x_smem, w_smem, ready, empty, nch, start, c0, NS: gl.constexpr, GPS: gl.constexpr):
-    """Warp-specialized producer (one warp): stages NS, NS + 1, ... by TMA, each once the consumer has released
-    the stage's previous chunk (the first NS were requested before the partitions forked)."""
-    for i in range(NS, nch):
-        st = i % NS
-        mbarrier.wait(empty.index(st), ((i // NS) - 1) & 1)
-        _request(x_desc, w_desc, x_smem, w_smem, ready, i, start, nch, c0, NS, GPS, True, True)
-
-
-@gluon.jit
 def _finish(acc, idx, mask, on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr, cnt_ptr, HAS_BIAS: gl.constexpr,
             ROUND_BF16: gl.constexpr, SPLIT: gl.constexpr, RED: gl.constexpr):
     """Store the program's tile acc at out[idx] (+ bias, rounded to bf16 values when asked); with SPLIT, store it as
@@ -240,16 +194,14 @@ def _store_out(acc, idx, mask, on, N, out_ptr, bias_ptr, HAS_BIAS: gl.constexpr,
 # M, N, K and the scale strides are not value-specialized: one compiled variant per tile / pipeline / epilogue.
 @gluon.jit(do_not_specialize=["M", "N", "K", "groups_per_split", "stride_xsm", "stride_xsg", "stride_wsn",
                               "stride_wsg"])
-def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K,
+def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, part_ptr, cnt_ptr, M, N, K,
                           groups_per_split, stride_xsm, stride_xsg, stride_wsn, stride_wsg,
                           NS: gl.constexpr, GPS: gl.constexpr, KB_PAD: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          ROUND_BF16: gl.constexpr, PDL: gl.constexpr, ROTATE: gl.constexpr = False,
-                          WS: gl.constexpr = False, SPLIT: gl.constexpr = False, SWAP: gl.constexpr = False,
-                          TIMES: gl.constexpr = False, RED: gl.constexpr = 4):
-    """Grid (cdiv(N, BN), K splits), 4 warps (one warpgroup; WS: plus one producer warp). See the module docstring.
+                          ROUND_BF16: gl.constexpr, PDL: gl.constexpr, SPLIT: gl.constexpr = False,
+                          SWAP: gl.constexpr = False, RED: gl.constexpr = 4):
+    """Grid (cdiv(N, BN), K splits), 4 warps (one warpgroup). See the module docstring.
     Program (pid, pid_s) walks the 128-groups [pid_s * groups_per_split, + groups_per_split) of K (a multiple of
-    GPS; all of K with one split). TIMES (a timing build for profiling): t[pid * splits + pid_s] =
-    (%globaltimer at its start, when its first stage has arrived, after its loop, at its end; its SM)."""
+    GPS; all of K with one split)."""
     XR: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     if SWAP:  # weight rows on the wgmma's M side, activation rows on its N side
@@ -266,9 +218,6 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     gl.static_assert(GPS == 2 or GPS == 4, "GPS: 2 or 4 groups per stage")
     pid = gl.program_id(0)
     pid_s = gl.program_id(1)
-    if TIMES:
-        t_row = t_ptr + (pid * gl.num_programs(1) + pid_s) * 5
-        gl.store(t_row, _now())
     n0 = pid * BN
     g0 = pid_s * groups_per_split
     ng = gl.minimum(groups_per_split, gl.cdiv(K, 128) - g0)  # this split's groups
@@ -278,19 +227,14 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [NS * GPS, XR, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [NS * GPS, BN, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(bars.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    # ROTATE: program p walks its chunks from p % nch on (wrapping), so that the programs do not all read the same
-    # activation tile at once (a different, still fixed, summation order per program).
-    start = pid % nch if ROTATE else 0
     for i in gl.static_range(NS):  # weights only before the PDL wait
-        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS, GPS, True, False)
+        _request(x_desc, w_desc, x_smem, w_smem, bars, i, nch, c0, NS, GPS, True, False)
     if PDL:
         _pdl_enter()
     for i in gl.static_range(NS):
-        _request(x_desc, w_desc, x_smem, w_smem, bars, i, start, nch, c0, NS, GPS, False, True)
+        _request(x_desc, w_desc, x_smem, w_smem, bars, i, nch, c0, NS, GPS, False, True)
 
     # The scale table s[j, m] = x_scale[m, g0 + j] * w_scale[n0 // 128, g0 + j] (0 past the split), in shared memory.
     sl: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
@@ -310,26 +254,16 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     d2 = gl.zeros(acc_shape, gl.float32, mma)
     d3 = gl.zeros(acc_shape, gl.float32, mma)
     gl.thread_barrier()  # the scale table is written
-    if TIMES:
-        mbarrier.wait(bars.index(0), 0)
-        gl.store(t_row + 1, _now())
 
-    if WS:  # a producer warp refills the ring while the warpgroup computes
-        acc, = gl.warp_specialize([
-            (_consume, (acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, bars, empty, nch, start, srow, NS, GPS, SWAP)),
-            (_produce, (x_desc, w_desc, x_smem, w_smem, bars, empty, nch, start, c0, NS, GPS)),
-        ], [1], [40])
-    else:  # one warpgroup computes each stage, then refills it
-        for i in range(0, nch):
-            st = i % NS
-            mbarrier.wait(bars.index(st), (i // NS) & 1)
-            acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS,
-                                         ((i + start) % nch) * GPS, srow, GPS, SWAP)
-            gl.thread_barrier()  # every warp is past this stage's wgmmas before its stage is refilled
-            _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, start, nch, c0, NS, GPS, True, True)
+    for i in range(0, nch):  # one warpgroup computes each stage, then refills it
+        st = i % NS
+        mbarrier.wait(bars.index(st), (i // NS) & 1)
+        acc, d0, d1, d2, d3 = _chunk(acc, d0, d1, d2, d3, x_smem, w_smem, s_smem, st * GPS, (i % nch) * GPS, srow,
+                                     GPS, SWAP)
+        gl.thread_barrier()  # every warp is past this stage's wgmmas before its stage is refilled
+        _request(x_desc, w_desc, x_smem, w_smem, bars, i + NS, nch, c0, NS, GPS, True, True)
     for i in gl.static_range(NS):
         mbarrier.invalidate(bars.index(i))
-        mbarrier.invalidate(empty.index(i))
 
     if SWAP:  # acc (BN, XR): rows are weight rows n, columns activation rows m
         om = gl.arange(0, XR, layout=srow)[None, :]
@@ -337,14 +271,8 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
     else:  # acc (XR, BN)
         om = gl.arange(0, XR, layout=srow)[:, None]
         on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))[None, :]
-    if TIMES:
-        gl.store(t_row + 2, _now())
     _finish(acc, om.to(gl.int64) * N + on, (om < M) & (on < N), on, M, N, pid, pid_s, out_ptr, bias_ptr, part_ptr,
             cnt_ptr, HAS_BIAS, ROUND_BF16, SPLIT, RED)
-    if TIMES:
-        gl.store(t_row + 3, _now())
-        gl.store(t_row + 4, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                                      is_pure=False, pack=1).to(gl.int64))
 
 
 # ============================================================================ host side
@@ -459,13 +387,12 @@ def _layout(rows: int):
 
 def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: torch.Tensor, ws: torch.Tensor,
            ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor, round_bf16: bool,
-           block_n: int, stages: int, gps: int = GPS, rotate: bool = False, warp_spec: bool = False,
-           splits: int = 1, swap: bool = False, times: Optional[torch.Tensor] = None) -> None:
+           block_n: int, stages: int, gps: int = GPS, splits: int = 1, swap: bool = False, pdl: bool = True) -> None:
     """out (M, N) = x @ w^T (+ bias; rounded to bf16 values when round_bf16) with `_fp8_rows_gemm_kernel`; the
     caller has checked `usable`. Scales as `engine.kernels.gemm_fp8._launch_fp8` (strides of x_scale (M, Kb) and
     w_scale (Nb, Kb)). splits > 1: K split as `split_plan` says, the splits' partials summed in split order by the
-    last split of each tile (the split-K kernel's fused reduce: calls must run in stream order). times: an int64
-    (programs, 5) buffer for the TIMES probe build."""
+    last split of each tile (the split-K kernel's fused reduce: calls must run in stream order). pdl: the backend's
+    `KernelOptions.pdl`."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from engine.kernels import sm_count
@@ -482,8 +409,8 @@ def launch(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int], w: to
     x_desc = TensorDescriptor.from_tensor(x, [xr, 128], _layout(xr))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, 128], _layout(block_n))
     _fp8_rows_gemm_kernel[grid](
-        x_desc, w_desc, xs, ws, out, bias if bias is not None else out, part, cnt, times if times is not None else cnt,
-        m, n, k, per, *xs_strides, *ws_strides, NS=stages, GPS=gps, KB_PAD=_groups_pad(per, gps), ROTATE=rotate,
-        WS=warp_spec, SPLIT=n_splits > 1, SWAP=swap, TIMES=times is not None,
+        x_desc, w_desc, xs, ws, out, bias if bias is not None else out, part, cnt,
+        m, n, k, per, *xs_strides, *ws_strides, NS=stages, GPS=gps, KB_PAD=_groups_pad(per, gps),
+        SPLIT=n_splits > 1, SWAP=swap,
         RED=reduce_burst(n_splits, grid[0] * n_splits, sm_count(x.device)),
-        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x))
+        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, num_warps=4, **launch_opts(x, pdl))

@@ -34,6 +34,7 @@ from engine.kernels.attention import (LOG2E, _check_dtype, _compute_types, _e4m3
                                       dequantize)
 from engine.kernels import sm_count
 from engine.kernels.paged_cache import PagedKVCache, _to_device
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.pdl import launch_opts, pdl_enter
 
 __all__ = ["PagedKVCache", "decode_splits", "decode_tiles", "kv_write", "paged_decode_attention",
@@ -350,7 +351,7 @@ HEAD_AMAX_MAX_TOKENS = 64
 
 
 def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, update_lens: bool = False) -> None:
+             v: torch.Tensor, update_lens: bool = False, options: KernelOptions = DEFAULT_OPTIONS) -> None:
     """Quantize k (batch, kv_heads, t, d) / v (batch, kv_heads, t, dv) and scatter them into the pages of
     sequences sid (batch,) at positions st[b] + j (device int tensors). The per-head K amax over the call
     (e4m3:head, NaN-propagating like the library's): for up to `HEAD_AMAX_MAX_TOKENS` (row, token) pairs every
@@ -375,7 +376,8 @@ def kv_write(cache: PagedKVCache, layer: int, sid: torch.Tensor, st: torch.Tenso
         PAGE=cache.block_size, DK=cache.head_dim, DV=cache.head_dim_v, DK_P=dk_p, DV_P=dv_p, GW=gw,
         NG=dv_p // gw, VG=cache.v_groups, BT=bt, FP8=cache.fp8, K_PER_HEAD=per_head,
         V_TOKEN=cache.v_spec == "e4m3:token", slen_ptr=cache.seq_lens, UPDATE_LEN=update_lens,
-        AMAX_ROWS=max(16, triton.next_power_of_2(b * t)) if in_kernel else 0, num_warps=4, **launch_opts(k))
+        AMAX_ROWS=max(16, triton.next_power_of_2(b * t)) if in_kernel else 0, num_warps=4,
+        **launch_opts(k, options.pdl))
 
 
 def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos):
@@ -465,7 +467,8 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                            return_hp: bool = False, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                            qk_fp16: Optional[bool] = None, fold_v_scale: Optional[bool] = None,
                            maxnreg: Optional[int] = None, out_round: Optional[str] = None,
-                           pv_fp16: Optional[bool] = None, direct: Optional[bool] = None):
+                           pv_fp16: Optional[bool] = None, direct: Optional[bool] = None,
+                           options: KernelOptions = DEFAULT_OPTIONS):
     """Decode attention over the paged cache (split-K). Reference: `paged_decode_attention_reference`.
 
     q: (batch, heads, tq, head_dim) fp32 / bf16 / fp16 / float8_e4m3fn (with q_scale: per tensor,
@@ -542,14 +545,14 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
                   V_ON_P=fold, PV_F16=fold and (pv_fp16 is None or bool(pv_fp16)),
                   DIRECT=direct, OUT_MODE=mode, STORE_HP=store_hp,
                   num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
-                  **launch_opts(q))
+                  **launch_opts(q, options.pdl))
     _launch(_paged_decode_kernel, (b * hkv, n_mb, num_splits), args, kwargs,
             f"paged_decode_attention(block_n={block_n})")
     if not direct:
         _launch(_decode_reduce_kernel, (b * h * tq,),
                 (pm, pl, pacc, out, hp, osc, h, tq, num_splits),
                 dict(S_P=triton.next_power_of_2(num_splits), DV=dv, DV_P=_pow2(dv), OUT_MODE=mode,
-                     STORE_HP=store_hp, num_warps=4, **launch_opts(q)), "paged decode reduce")
+                     STORE_HP=store_hp, num_warps=4, **launch_opts(q, options.pdl)), "paged decode reduce")
     return _finish(out, hp, osc, out_quant, return_hp, second)
 
 

@@ -24,9 +24,9 @@ Kernels take a `PDL: tl.constexpr = False` argument, so the CPU interpreter, the
 caller that does not ask get unchanged code. `launch_opts(t)` returns the keyword arguments for a
 launch on t's device. PDL changes when programs run, never what they compute: bits are identical.
 
-Switch: `set_enabled(False)` turns it off, for A/B measurements (`benchmarks/bench_e2e.py --pdl`); no
-environment variable changes it. A result records the setting (`Engine.kernel_settings`, the result's
-`provenance.kernels`).
+Switch: `KernelOptions.pdl` (`engine.kernels.options`), a backend option each wrapper passes to `launch_opts`;
+an A/B measurement (`benchmarks/bench_e2e.py --pdl`) builds a backend with it off. A result records the setting
+(`Engine.kernel_settings`, the result's `provenance.kernels`).
 """
 
 from __future__ import annotations
@@ -38,31 +38,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_ENABLED = True
-
-
-def set_enabled(on: bool) -> bool:
-    """Turn PDL launches on or off for later launches (and CUDA graph captures); returns the old setting."""
-    global _ENABLED
-    old, _ENABLED = _ENABLED, bool(on)
-    return old
-
-
-def enabled() -> bool:
-    """Whether PDL launches are on (the device must still support them: `launch_opts`)."""
-    return _ENABLED
-
-
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
     """Programmatic dependent launch needs compute capability 9.0 or newer."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_opts(t: torch.Tensor) -> dict:
+def launch_opts(t: torch.Tensor, on: bool = True) -> dict:
     """Launch keyword arguments for a PDL-aware kernel working on t's device: the kernel's `PDL` constexpr,
-    plus Triton's `launch_pdl` option when it is on (CUDA, sm_90+, not switched off)."""
-    if _ENABLED and t.is_cuda and _supported(t.device.index if t.device.index is not None else
+    plus Triton's `launch_pdl` option when it is on (`on`: the backend's `KernelOptions.pdl`; CUDA, sm_90+)."""
+    if on and t.is_cuda and _supported(t.device.index if t.device.index is not None else
                                              torch.cuda.current_device()):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

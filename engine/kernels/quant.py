@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import kernel_device_ok, sm_count
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.pdl import launch_opts, pdl_enter
 
 GROUP = 128
@@ -416,14 +417,12 @@ def _launch_shape(x: torch.Tensor, name: str = "x") -> tuple[int, int, int]:
     return x.numel() // max(k, 1), k, triton.cdiv(k, GROUP)
 
 
-FAST_DIVISION = True  # see `_quant_groups`; False: IEEE division only (same bits; recorded by `Engine.kernel_settings`)
-
-
-def fast_division(x: torch.Tensor) -> bool:
+def fast_division(x: torch.Tensor, options: KernelOptions = DEFAULT_OPTIONS) -> bool:
     """Whether the quant kernels may take the fast path (`_quant_groups_fast`, same bits): on NVIDIA CUDA (it
-    uses inline PTX), unless `FAST_DIVISION` is set False; never under the CPU
-    interpreter, whose fma rounds twice, nor on a ROCm build (where `is_cuda` is also true)."""
-    return FAST_DIVISION and x.is_cuda and torch.version.hip is None
+    uses inline PTX), unless `options.fast_division` is off (IEEE division only; recorded by
+    `Engine.kernel_settings`); never under the CPU interpreter, whose fma rounds twice, nor on a ROCm build
+    (where `is_cuda` is also true)."""
+    return options.fast_division and x.is_cuda and torch.version.hip is None
 
 
 def _pow2_knob(name: str, v: int, hi: int) -> int:
@@ -485,12 +484,14 @@ ROW_KERNEL_MAX_GROUPS = 128  # one-pass kernels hold at most 128 groups (16384 c
 
 
 def act_quant(x: torch.Tensor, *, fmt: str = "e4m3:1x128", bm: int | None = None, gb: int | None = None,
-              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: int | None = None,
+              options: KernelOptions = DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 1x128 quantization of x (..., K): (data (..., K) fp8, scales (..., ceil(K/128)) fp32); fmt="mxfp8":
     MXFP8, scales (..., ceil(K/32)) (E8M0 values as fp32).
 
     Tiling knobs (same bits for every value): `bm` rows x `gb` groups per program, `num_warps`;
-    None takes `ACT_QUANT_DEFAULTS`. Reference: `act_quant_reference`."""
+    None takes `ACT_QUANT_DEFAULTS`. `options`: the backend's kernel variants (PDL, fast division; every wrapper
+    of this file takes it). Reference: `act_quant_reference`."""
     mx = _mx_fmt(fmt, "act_quant")
     rows, k, groups = _launch_shape(x)
     bm = _pow2_knob("bm", _default_bm(ACT_QUANT_DEFAULTS["bm"], rows) if bm is None else bm, 256)
@@ -499,8 +500,8 @@ def act_quant(x: torch.Tensor, *, fmt: str = "e4m3:1x128", bm: int | None = None
     if rows == 0 or k == 0:
         return out, scales
     _act_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
-        x, out, scales, rows, k, groups, BM=bm, GB=gb, FAST=fast_division(x) and not mx, MX=mx,
-        num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"], **launch_opts(x))
+        x, out, scales, rows, k, groups, BM=bm, GB=gb, FAST=fast_division(x, options) and not mx, MX=mx,
+        num_warps=num_warps or ACT_QUANT_DEFAULTS["num_warps"], **launch_opts(x, options.pdl))
     return out, scales
 
 
@@ -517,7 +518,8 @@ def act_quant_reference(x: torch.Tensor, fmt: str = "e4m3:1x128") -> tuple[torch
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: bool = False,
                   single_pass: bool | None = None, *, mode: str | None = None, bm: int | None = None,
                   gb: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  programs_per_sm: int | None = None, fmt: str = "e4m3:1x128"):
+                  programs_per_sm: int | None = None, fmt: str = "e4m3:1x128",
+                  options: KernelOptions = DEFAULT_OPTIONS):
     """Fused RMSNorm -> E4M3 1x128 quant of x (..., K) with weight (K,): (data, scales[, fp32 normed (..., K)]);
     fmt="mxfp8": MXFP8 (see `act_quant`).
 
@@ -540,12 +542,13 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, return_hp: 
     _check_norm_weight(x, weight, k)
     out, scales, hp = _outputs(x, rows, k, groups, return_hp, mx)
     _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, None, None, rows, k, groups, eps, return_hp, False,
-                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx)
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx, options)
     return (out, scales, hp) if return_hp else (out, scales)
 
 
 def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
-                      round_bf16: bool = True, fmt: str = "e4m3:1x128", **tiling):
+                      round_bf16: bool = True, fmt: str = "e4m3:1x128", options: KernelOptions = DEFAULT_OPTIONS,
+                      **tiling):
     """Residual add + RMSNorm + E4M3 1x128 (fmt="mxfp8": MXFP8) quant in one pass: r = x + res (fp32 add, rounded
     to bf16 and held in fp32 with `round_bf16`), then the fused RMSNorm -> quant of r.
 
@@ -562,7 +565,7 @@ def add_rmsnorm_quant(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, 
     r = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     _launch_rmsnorm(x, weight.contiguous(), out, scales, hp, res, r, rows, k, groups, eps, True, round_bf16,
                     tiling.get("single_pass"), tiling.get("mode"), tiling.get("bm"), tiling.get("gb"),
-                    tiling.get("num_warps"), tiling.get("num_stages"), tiling.get("programs_per_sm"), mx)
+                    tiling.get("num_warps"), tiling.get("num_stages"), tiling.get("programs_per_sm"), mx, options)
     return r, out, scales, hp
 
 
@@ -574,7 +577,8 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
 
 
 def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, return_hp, round_bf16,
-                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx=False) -> None:
+                    single_pass, mode, bm, gb, num_warps, num_stages, programs_per_sm, mx=False,
+                    options: KernelOptions = DEFAULT_OPTIONS) -> None:
     """Resolve the RMSNorm tiling (see `rmsnorm_quant`) and launch; `res` not None adds the residual; `mx`:
     MXFP8."""
     d, c = RMSNORM_DEFAULTS, RMSNORM_CHUNKED_DEFAULTS
@@ -608,12 +612,14 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
         _rmsnorm_quant_persistent_kernel[(progs,)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, G=triton.next_power_of_2(groups), STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, FAST=fast_division(x) and not mx, MX=mx, num_warps=warps, **launch_opts(x))
+            RES_BF16=round_bf16, FAST=fast_division(x, options) and not mx, MX=mx, num_warps=warps,
+            **launch_opts(x, options.pdl))
     elif mode == "chunked":
         _rmsnorm_quant_kernel[(triton.cdiv(rows, bm),)](
             x, w, out, scales, hp, res if res is not None else x, rout if rout is not None else hp, rows, k, groups,
             eps, BM=bm, GB=gb, ONE_PASS=one_pass, STAGES=stages, STORE_HP=return_hp, HAS_RES=res is not None,
-            RES_BF16=round_bf16, FAST=fast_division(x) and not mx, MX=mx, num_warps=warps, **launch_opts(x))
+            RES_BF16=round_bf16, FAST=fast_division(x, options) and not mx, MX=mx, num_warps=warps,
+            **launch_opts(x, options.pdl))
     else:
         raise ValueError(f"rmsnorm_quant: mode {mode!r}: use 'chunked' or 'persistent'")
 
@@ -638,7 +644,7 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, f
 
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, bm: int | None = None,
                  num_warps: int | None = None, *, gb: int | None = None, fast_silu: bool | None = None,
-                 fmt: str = "e4m3:1x128"):
+                 fmt: str = "e4m3:1x128", options: KernelOptions = DEFAULT_OPTIONS):
     """Fused SwiGLU (silu(gate) * up) of gate, up (..., K) -> E4M3 1x128 quant: (data, scales[, fp32 activation]);
     fmt="mxfp8": MXFP8 (see `act_quant`).
 
@@ -662,7 +668,8 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, return_hp: bool = False, 
         _swiglu_quant_kernel[(triton.cdiv(rows, bm), triton.cdiv(groups, gb))](
             g2, u2, out, scales, hp, rows, k, groups, g2.stride(0), u2.stride(0), BM=bm, GB=gb,
             FAST_SILU=d["fast_silu"] if fast_silu is None else fast_silu, STORE_HP=return_hp,
-            FAST=fast_division(gate) and not mx, MX=mx, num_warps=num_warps or d["num_warps"], **launch_opts(gate))
+            FAST=fast_division(gate, options) and not mx, MX=mx, num_warps=num_warps or d["num_warps"],
+            **launch_opts(gate, options.pdl))
     return (out, scales, hp) if return_hp else (out, scales)
 
 

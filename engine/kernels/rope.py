@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import kernel_device_ok
+from engine.kernels.options import DEFAULT_OPTIONS, KernelOptions
 from engine.kernels.pdl import launch_opts, pdl_enter
 from engine.kernels.quant import _round_bf16
 
@@ -125,7 +126,8 @@ def _table(c: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-            block_h: int | None = None, num_warps: int | None = None, q_bf16: bool = False):
+            block_h: int | None = None, num_warps: int | None = None, q_bf16: bool = False,
+            options: KernelOptions = DEFAULT_OPTIONS):
     """Rotate-half RoPE of q (batch, heads, t, d) and k (batch, kv_heads, t, d) fp32 in one launch.
 
     cos/sin: (t, d), (1, 1, t, d) or (batch, 1, t, d) fp32 (`engine.rope.rope_tables`). q, k and the
@@ -167,7 +169,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos_b.stride(0), cos_b.stride(2), sin_b.stride(0), sin_b.stride(2),
         HALF=half, BH=block_h, BD=bd, Q_BF16=q_bf16, num_warps=num_warps, enable_fp_fusion=False,
-        **launch_opts(q_out))
+        **launch_opts(q_out, options.pdl))
     return (q_out, k_out, q16) if q_bf16 else (q_out, k_out)
 
 

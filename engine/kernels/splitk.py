@@ -163,14 +163,15 @@ def _round_up(a: int, b: int) -> int:
 
 
 def _reduce(part: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor],
-            ts: Optional[torch.Tensor], round_bf16: bool = False) -> None:
-    """Sum the split-K partials part (S, M, N) into out (M, N) (+ tensor scale, + bias; rounded to bf16 values)."""
+            ts: Optional[torch.Tensor], round_bf16: bool = False, pdl: bool = True) -> None:
+    """Sum the split-K partials part (S, M, N) into out (M, N) (+ tensor scale, + bias; rounded to bf16 values);
+    `pdl`: the backend's `KernelOptions.pdl`."""
     s, m, n = part.shape
     block = 1024
     _splitk_reduce_kernel[(_cdiv(m * n, block),)](
         part, out, bias if bias is not None else out, ts if ts is not None else part, m * n, n, s,
         HAS_BIAS=bias is not None, HAS_TS=ts is not None, BLOCK=block, ROUND_BF16=round_bf16, num_warps=4,
-        **launch_opts(part))
+        **launch_opts(part, pdl))
 
 
 def _bad(msg: str) -> ValueError:

@@ -69,8 +69,7 @@ def make_engines(ctx: EvalContext, emulated: str, native: str,
                  native_options: dict | None = None) -> tuple[Any, Any]:
     """(E, N): the run's recipe on the two backends (the run's own engine is reused when it is one of them).
 
-    `native_options` are kernel options of N (e.g. `attn_block`, or the deliberately broken
-    `legacy_blockwise` variant the harness's own tests plant).
+    `native_options` are kernel options of N (e.g. `attn_block`, `options`).
     """
     from engine import api
 

@@ -1,4 +1,4 @@
-"""The token-embedding table stored in its recipe format (`engine.native.prepare_embedding`): a lookup of the
+"""The token-embedding table stored in its recipe format (`engine.backends.native.prepare_embedding`): a lookup of the
 stored rows gives exactly the emulation's values (the fp32 rows of the whole table's fake quantization), for
 every row-local format; formats with multi-row scale tiles are refused (the caller keeps fp32 values)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.native import embedding_lookup, prepare_embedding
+from engine.backends.native import embedding_lookup, prepare_embedding
 from engine.numerics import Numerics
 from engine.recipe import load_recipe
 

@@ -74,7 +74,7 @@ def test_native_quantizer_is_bit_exact(recipe, spec):
     """NativeNumerics.quant (Triton) == engine.formats.quantize, bit for bit, incl. zeros and NaN groups, for both
     activation formats the kernels write; the QTensor carries the spec and the library's scale shape."""
     from engine.formats import quantize
-    from engine.native import NativeNumerics
+    from engine.backends.native import NativeNumerics
     from engine.recipe import load_recipe
 
     nx = NativeNumerics(load_recipe(recipe))
@@ -88,9 +88,11 @@ def test_native_quantizer_is_bit_exact(recipe, spec):
     assert nx.coverage["quant:native"] == 1
 
 
-def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel():
-    """zoo-llama (hidden 256: K/128 = 2, not a multiple of 4) through the legacy `_scaled_mm` blockwise call:
-    silently wrong GEMMs; the three-way comparison attributes the error to the kernel at layer 0's q."""
+def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel(monkeypatch):
+    """zoo-llama (hidden 256: K/128 = 2, not a multiple of 4) through the legacy `_scaled_mm` blockwise call
+    (planted by tests/support/legacy_scaled_mm.py): silently wrong GEMMs; the three-way comparison attributes the
+    error to the kernel at layer 0's q."""
+    from engine import api
     from engine.api import Engine
     from engine.loading import load_model
     from engine.model import Transformer
@@ -102,11 +104,16 @@ def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel():
     ctx = EvalContext(engine=Engine(m, "fp8-block", backend="cuda-emulated"), reference=ReferenceLM(loaded, "cuda"),
                       tokenizer=None, corpus=str(REPO / "zoo" / "zoo-llama" / "heldout_sample.json"),
                       vocab_size=loaded.cfg.vocab_size, batch_size=4, seed=0, cache={}, bos_id=loaded.cfg.bos_token_id)
-    try:
-        broken, s = run_eval("threeway", ctx, {"windows": 4, "seq_len": 128,
-                                               "native_options": {"legacy_blockwise": True}})
-    except RuntimeError as exc:  # a torch that rejects the unpadded scales cannot reproduce the trap
-        pytest.skip(f"this torch rejects the legacy call: {exc}")
+    from tests.support.legacy_scaled_mm import legacy_numerics
+
+    real = api.make_numerics
+    with monkeypatch.context() as mp:
+        mp.setattr(api, "make_numerics", lambda recipe, backend, **kw: legacy_numerics(recipe, **kw)
+                   if backend == "cuda-native" else real(recipe, backend, **kw))
+        try:
+            broken, s = run_eval("threeway", ctx, {"windows": 4, "seq_len": 128})
+        except RuntimeError as exc:  # a torch that rejects the unpadded scales cannot reproduce the trap
+            pytest.skip(f"this torch rejects the legacy call: {exc}")
     good, s_good = run_eval("threeway", ctx, {"windows": 4, "seq_len": 128})
     print("legacy:", {k: v for k, v in broken.items() if not k.startswith("tap.")}, s["first_kernel_tap"])
     print("fixed:", {k: v for k, v in good.items() if not k.startswith("tap.")}, s_good["first_kernel_tap"])
@@ -149,3 +156,23 @@ def test_fused_dispatch_points_run_native_and_keep_their_values(model):
     ptrs = {wt.q.data.untyped_storage().data_ptr() for wt in ws}
     stackable = all(wt.shape[0] % 128 == 0 for wt in ws)  # whole 128-row scale blocks (tiny-llama's k/v: 64 rows)
     assert (len(ptrs) == 1) == stackable, (name, [tuple(wt.shape) for wt in ws], len(ptrs))
+
+
+@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "w4a16-mxfp4"])
+def test_kernel_options_change_no_bit(recipe):
+    """Every kernel variant off (`KernelOptions`: no PDL, IEEE division, gathered MX scales, arithmetic E2M1
+    decode) gives the default options' logits bit for bit on zoo-llama, and each engine reports its options."""
+    from engine.api import Engine
+    from engine.kernels.options import KernelOptions
+    from engine.loading import load_model
+    from engine.model import Transformer
+
+    loaded = load_model(str(REPO / "zoo" / "zoo-llama"))
+    m = Transformer(loaded.cfg, loaded.weights).to("cuda")
+    x = torch.randint(0, loaded.cfg.vocab_size, (2, 96), generator=torch.Generator().manual_seed(1)).cuda()
+    off = KernelOptions(pdl=False, fast_division=False, mx_row_scales=False, mx_fp4_ptx=False)
+    engines = [Engine(m, recipe, backend="cuda-native"), Engine(m, recipe, backend="cuda-native", options=off)]
+    a, b = (e.logits(x) for e in engines)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert engines[0].kernel_settings()["options"]["pdl"] is True
+    assert engines[1].kernel_settings()["options"] == off.summary()

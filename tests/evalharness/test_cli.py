@@ -47,6 +47,7 @@ def test_smoke_run_writes_schema_results(smoke_results):
     prov = doc["provenance"]
     assert {"git_sha", "packages", "hardware", "model_sha256", "data_sha256", "seed"} <= set(prov)
     assert prov["hardware"]["cpu"] and prov["packages"]["torch"]
+    assert prov["kernels"] == {"backend": "cpu-emulated"}  # Engine.kernel_settings(): no kernel ran
     m = doc["metrics"]
     assert m["ppl_kld.kld_mean"] > 0 and 0 < m["ppl_kld.top1_agree"] < 1
     assert m["ppl_kld.ppl_ref_lo"] < m["ppl_kld.ppl_ref"] < m["ppl_kld.ppl_ref_hi"]

@@ -94,10 +94,12 @@ def mx_loop(kind: str, **overrides) -> list[str]:
     tile, with `mx_linear`'s constexprs on a CUDA GPU unless overridden."""
     from engine.kernels import gemm_mx as GM
     from engine.kernels.decode_plan import DEFAULT_POLICY
+    from engine.kernels.options import DEFAULT_OPTIONS
 
     consts = dict(BM=16, BN=64, X_SCALED=kind == "mxfp8", W_FP4=kind != "mxfp8", W_SB=16 if kind == "nvfp4" else 32,
                   W_E8M0=kind != "nvfp4", HAS_TS=kind == "nvfp4", USE_PART=True, HAS_BIAS=False,
-                  SCALE_BITS=GM.MX_SCALE_BITS, ROW_SCALES=GM.MX_ROW_SCALES, FP4_PTX=GM.MX_FP4_PTX,
+                  SCALE_BITS=GM.MX_SCALE_BITS, ROW_SCALES=DEFAULT_OPTIONS.mx_row_scales,
+                  FP4_PTX=DEFAULT_OPTIONS.mx_fp4_ptx,
                   FUSED_REDUCE=DEFAULT_POLICY.fused_reduce)
     consts.update(overrides)
     ptrs = {"x_ptr": "*fp8e4nv" if kind == "mxfp8" else "*bf16", "w_ptr": "*fp8e4nv" if kind == "mxfp8" else "*u8",

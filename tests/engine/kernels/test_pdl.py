@@ -1,6 +1,6 @@
 """Programmatic dependent launch (engine.kernels.pdl): when it applies, and that it never changes bits.
 
-CPU: `launch_opts` asks for PDL only on a CUDA device with it switched on; the switch round-trips.
+CPU: `launch_opts` asks for PDL only on a CUDA device with the backend's `KernelOptions.pdl` on.
 GPU (skipped without CUDA): a chain of dependent PDL launches (each kernel reads what the one before
 wrote) gives exactly the bits of plain launches, the M = 1 GEMV's L2 prefetch changes nothing, and a
 CUDA-graph decode of zoo-llama with PDL equals one without it, logits bit for bit, at batch 1 (the GEMV)
@@ -20,43 +20,33 @@ REPO = Path(__file__).resolve().parents[3]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture
-def pdl_restored():
-    """Restore the PDL switch after the test."""
-    old = pdl.enabled()
-    yield
-    pdl.set_enabled(old)
-
-
-def test_launch_opts_only_on_cuda_and_when_enabled(pdl_restored):
+def test_launch_opts_only_on_cuda_and_when_enabled():
     cpu = torch.zeros(1)
-    assert pdl.set_enabled(True) in (True, False)
     assert pdl.launch_opts(cpu) == {"PDL": False}  # never on the CPU interpreter
-    assert pdl.set_enabled(False) is True
-    assert pdl.enabled() is False
-    assert pdl.launch_opts(cpu) == {"PDL": False}
+    assert pdl.launch_opts(cpu, False) == {"PDL": False}
     if torch.cuda.is_available():
         dev = torch.zeros(1, device="cuda")
-        assert pdl.launch_opts(dev) == {"PDL": False}
-        pdl.set_enabled(True)
+        assert pdl.launch_opts(dev, False) == {"PDL": False}
         want = {"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {"PDL": False}
         assert pdl.launch_opts(dev) == want
 
 
-def _chain(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, n: int) -> list[torch.Tensor]:
+def _chain(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, n: int, on: bool) -> list[torch.Tensor]:
     """n rounds of fused RMSNorm -> quant -> FP8 GEMV -> act_quant -> SwiGLU, each launch reading the previous one's
-    output (a missing wait would read stale or half-written data)."""
+    output (a missing wait would read stale or half-written data); `on`: KernelOptions.pdl."""
     from engine.kernels.gemm import fp8_block_linear
+    from engine.kernels.options import KernelOptions
     from engine.kernels.quant import act_quant, rmsnorm_quant, swiglu_quant
 
+    o = KernelOptions(pdl=on)
     outs = []
     h = x
     for _ in range(n):
-        d, s = rmsnorm_quant(h, norm_w, 1e-5)
-        y = fp8_block_linear(d, s, w.data, w.scale, out_dtype=torch.float32)  # (1, 2K)
+        d, s = rmsnorm_quant(h, norm_w, 1e-5, options=o)
+        y = fp8_block_linear(d, s, w.data, w.scale, out_dtype=torch.float32, options=o)  # (1, 2K)
         g, u = y[:, : x.shape[1]].contiguous(), y[:, x.shape[1]:].contiguous()
-        d2, s2 = swiglu_quant(g, u)
-        _, s3 = act_quant(g)
+        d2, s2 = swiglu_quant(g, u, options=o)
+        _, s3 = act_quant(g, options=o)
         h = (d2.float() * s2.repeat_interleave(128, dim=1)[:, : x.shape[1]] + s3.sum()).contiguous()
         outs.append(h)
     return outs
@@ -64,7 +54,7 @@ def _chain(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, n: int) -> li
 
 @GPU
 @pytest.mark.gpu
-def test_pdl_chain_gives_the_same_bits(pdl_restored):
+def test_pdl_chain_gives_the_same_bits():
     from engine.formats import quantize
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -72,10 +62,8 @@ def test_pdl_chain_gives_the_same_bits(pdl_restored):
     x = torch.randn(1, k, generator=g).cuda()
     w = quantize(torch.randn(2 * k, k, generator=g).cuda() * 0.02, "e4m3:128x128")
     nw = (torch.rand(k, generator=g) + 0.5).cuda()
-    pdl.set_enabled(False)
-    ref = _chain(x, w, nw, 40)
-    pdl.set_enabled(True)
-    got = _chain(x, w, nw, 40)
+    ref = _chain(x, w, nw, 40, False)
+    got = _chain(x, w, nw, 40, True)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert torch.isfinite(ref[-1]).all() and ref[-1].abs().max() > 0
@@ -84,19 +72,21 @@ def test_pdl_chain_gives_the_same_bits(pdl_restored):
 @GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 4])
-def test_pdl_graph_decode_equals_plain_launches(pdl_restored, batch):
+def test_pdl_graph_decode_equals_plain_launches(batch):
     from engine.api import Engine
+    from engine.kernels.options import KernelOptions
     from engine.loading import load_model
     from engine.model import Transformer
     from engine.runtime import PagedRuntime
     from engine.serving import ServingConfig
 
     loaded = load_model(str(REPO / "zoo" / "zoo-llama"))
-    eng = Engine(Transformer(loaded.cfg, loaded.weights).to("cuda"), "fp8-block", backend="cuda-native")
+    model = Transformer(loaded.cfg, loaded.weights).to("cuda")
     prompts = [[1, 5, 9, 33, 2, 7], [1, 100, 3], [1, 4, 4, 4, 4, 8], [1, 17]][:batch]
     runs = []
-    for on in (False, True):
-        pdl.set_enabled(on)  # the graph captures the launches with (or without) the attribute
+    for on in (False, True):  # the graph captures the launches with (or without) the attribute
+        eng = Engine(model, "fp8-block", backend="cuda-native", options=KernelOptions(pdl=on))
+        assert eng.kernel_settings()["options"]["pdl"] is on
         rt = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64, cuda_graphs=True))
         runs.append(rt.generate(prompts, 12, return_logits=True))
     (a_out, a_logits), (b_out, b_logits) = runs

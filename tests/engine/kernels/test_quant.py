@@ -721,19 +721,18 @@ def test_tiny_amax_is_outside_the_fast_domain(amax):
 
 def test_fast_division_is_never_used_off_cuda(monkeypatch):
     """The kernels take the fast division only on NVIDIA CUDA (the interpreter's fma rounds twice; the fast path
-    is inline PTX), and `FAST_DIVISION = False` turns it off there too."""
+    is inline PTX), and the backend option `KernelOptions(fast_division=False)` turns it off there too."""
     from engine.kernels import quant
+    from engine.kernels.options import KernelOptions
 
     cpu = torch.zeros(1)
     assert quant.fast_division(cpu) is False
-    monkeypatch.setattr(quant, "FAST_DIVISION", False)
 
     class FakeCuda:
         is_cuda = True
 
-    assert quant.fast_division(FakeCuda()) is False
-    monkeypatch.setattr(quant, "FAST_DIVISION", True)
     monkeypatch.setattr(torch.version, "hip", None)
+    assert quant.fast_division(FakeCuda(), KernelOptions(fast_division=False)) is False
     assert quant.fast_division(FakeCuda()) is True
     monkeypatch.setattr(torch.version, "hip", "6.2")  # a ROCm build: the fast path's inline PTX cannot compile
     assert quant.fast_division(FakeCuda()) is False

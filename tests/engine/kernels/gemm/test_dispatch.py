@@ -67,7 +67,7 @@ def test_batch64_entries_dispatch(monkeypatch):
     _h200(monkeypatch)
     launched = []
     monkeypatch.setattr(GW, "usable", lambda *a: True)
-    monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
+    monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append(a[-3:]))
     x, xs, w, ws = _operands(m=40, n=4096, k=4096)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None)
     assert launched == [(64, GW.default_stages(64, 4), 4)]
@@ -172,7 +172,7 @@ def test_heuristic_whole_k_dispatch_and_fallback(monkeypatch, usable, opt_out):
     monkeypatch.setattr(GF, "sm_count", lambda device: 132)
     monkeypatch.setattr(SK, "_reduce", lambda *a, **kw: None)  # off CUDA the partials' reduce is a second kernel
     launched, split = [], Launch()
-    monkeypatch.setattr(GW, "launch", lambda *a: launched.append(a[-3:]))
+    monkeypatch.setattr(GW, "launch", lambda *a, **kw: launched.append(a[-3:]))
     monkeypatch.setattr(GF, "_fp8_block_gemm_kernel", split)
     x, xs, w, ws = _operands(m=48, n=512, k=4096)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, None, **opt_out)
@@ -433,8 +433,8 @@ def test_wgmma_knob_dispatch(monkeypatch):
     x, xs, w, ws = _operands(m=4)  # N 256, K 1024: 8 groups
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True)
     GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 4, wgmma=4, num_stages=3)
-    assert launched == [((64, GW.swap_stages(4, 8, 2), GW.GPS), dict(splits=2, swap=True)),
-                        ((64, 3, 4), dict(splits=4, swap=True))] and split.calls == []
+    assert launched == [((64, GW.swap_stages(4, 8, 2), GW.GPS), dict(splits=2, swap=True, pdl=True)),
+                        ((64, 3, 4), dict(splits=4, swap=True, pdl=True))] and split.calls == []
     assert GW.swap_stages(4, 8, 2) == 2  # 4 groups per split: no more stages than it has stages of 2 groups
     with pytest.raises(ValueError, match="block_n=32"):
         GF._launch_fp8(x, xs, xs.stride(), w, ws, ws.stride(), None, torch.float32, 2, wgmma=True, block_n=32)

@@ -20,6 +20,7 @@ import torch
 
 from tests.engine.kernels.gemm.common import DEV, TOL, TOL_INTERPRETER, block_operands, blocky, rel, same_bits
 from tests.support.interpret import INTERPRET, by_device
+from tests.support.legacy_scaled_mm import legacy_scaled_mm_blockwise
 
 M_SET = by_device([1, 2, 3, 5, 63, 64, 65], [5, 63, 65])  # BM 16 and 64 (masked rows), 128 x 128 tiles
 
@@ -283,7 +284,7 @@ def test_gemv_configs_entry_is_dispatched(G, P, GF, monkeypatch):
     key = (P._device_name(dev.type, dev.index), 384, 1536)
     policy = dataclasses.replace(P.DEFAULT_POLICY, gemv_configs={**P.DEFAULT_POLICY.gemv_configs, key: cfg})
     tuned = G.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32, policy=policy)
-    assert seen[-1] == cfg
+    assert seen[-1] == dict(cfg, pdl=True)  # the entry's knobs, and the default options' PDL
     explicit = torch.empty_like(tuned)
     real(xd, xs, xs.stride(), wd, ws, ws.stride(), None, explicit, False, **cfg)
     assert torch.equal(tuned, explicit)
@@ -346,7 +347,7 @@ def test_k_over_128_mod_4_trap(G, k):
         good_err = max(good_err, rel(good, ref))
         assert rel(good, ref) <= TOL[torch.bfloat16], f"fp8_block_linear(small_m={small_m}) wrong at K={k}"
     try:
-        bad = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+        bad = legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
         torch.cuda.synchronize()
     except (RuntimeError, NotImplementedError, ValueError) as exc:
         pytest.skip(f"this torch rejects the legacy blockwise _scaled_mm call: {str(exc).splitlines()[0]}")
@@ -363,7 +364,7 @@ def test_legacy_call_is_right_when_k_over_128_is_a_multiple_of_4(G):
     xd, xs, wd, ws = block_operands(m, n, k, seed=1)
     ws = _poison_tail(ws)
     try:
-        out = G.legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
+        out = legacy_scaled_mm_blockwise(xd, xs, wd, ws, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError, ValueError) as exc:
         pytest.skip(f"this torch rejects the legacy blockwise _scaled_mm call: {str(exc).splitlines()[0]}")
     ref = G.fp8_block_linear_reference(xd, xs, wd, ws, out_dtype=torch.float32)

@@ -94,12 +94,14 @@ def test_mx_fp4_decoders_are_exact(G):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("bf16", "nvfp4"), ("bf16", "mxfp4"), ("fp32", "mxfp8")])
 @pytest.mark.parametrize("m, split", by_device([(5, 1), (5, 3), (70, 1)], [(5, 3), (70, 1)]))
-def test_mx_row_scales_give_the_gather_path_bits(G, monkeypatch, pair, m, split):
-    """The per-row scale loads (`MX_ROW_SCALES`) and, on the GPU, the PTX E2M1 decode with bf16 scaling (`MX_FP4_PTX`)
+def test_mx_row_scales_give_the_gather_path_bits(G, pair, m, split):
+    """The per-row scale loads (`KernelOptions.mx_row_scales`) and, on the GPU, the PTX E2M1 decode with bf16 scaling
+    (`mx_fp4_ptx`)
     change how the operands are made, and the fused split-K reduce how partials are summed, not a bit of the output:
     the same fp32 bits as one gathered scale load per element and the reduce kernel, decode and prefill tiles, with
     a split, with a bias (NVFP4: and its tensor scale), blocks at the bottom of the float range included."""
     from engine.formats import quantize
+    from engine.kernels.options import KernelOptions
 
     xkind, wspec = pair
     n, k = by_device((136, 608), (72, 352))  # K % 128 != 0: a partial last chunk
@@ -112,10 +114,9 @@ def test_mx_row_scales_give_the_gather_path_bits(G, monkeypatch, pair, m, split)
     bias = torch.randn(n, device=DEV)
     variants = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
     for rows, ptx, fused in by_device(variants, variants[:2] + variants[3:]):  # the PTX decode: CUDA only
-        monkeypatch.setattr(G, "MX_ROW_SCALES", rows)
-        monkeypatch.setattr(G, "MX_FP4_PTX", ptx)  # on the GPU only (mx_linear's gate)
+        opts = KernelOptions(mx_row_scales=rows, mx_fp4_ptx=ptx)  # the PTX decode on the GPU only (mx_linear's gate)
         outs.append(G.mx_linear(*args, wp, bias=bias, out_dtype=torch.float32, split_k=split, fused_reduce=fused,
-                                **kw))
+                                options=opts, **kw))
     assert torch.isfinite(outs[0]).all() and outs[0].abs().sum() > 0
     for out in outs[1:]:
         assert torch.equal(outs[0].view(torch.int32), out.view(torch.int32))

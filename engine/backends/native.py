@@ -9,10 +9,10 @@ format at that site has a native kernel on this GPU:
   FP8 bits);
 * ``rmsnorm`` / ``swiglu`` (fp32 norm compute) -> the fused Triton
   RMSNorm+quant / SwiGLU+quant kernels: one launch computes the fp32 values
-  *and* their 1x128 E4M3 (or MXFP8) quantization, which the ``quant`` of those very
-  values that follows in the model takes instead of quantizing again (the
-  kernels quantize their own fp32 output bit-exactly, so this changes no
-  bit). The norm's sum of squares and SwiGLU's silu (approximate division,
+  *and* their 1x128 E4M3 (or MXFP8) quantization, returned together; the
+  model hands that QTensor to the ``act_quant`` of those very values, which
+  takes it instead of quantizing again (the kernels quantize their own fp32
+  output bit-exactly, so this changes no bit). The norm's sum of squares and SwiGLU's silu (approximate division,
   <= 2 ulp) differ from torch's in the last bits: kernel error, measured by
   the three-way eval like the GEMMs' accumulation order;
 * ``linear``: FP8 block (``e4m3:1x128`` x ``e4m3:128x128``) -> cuBLAS
@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional, Sequence
+import functools
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +52,41 @@ from engine.formats import QTensor, grouping, parse_spec, quantize
 from engine.numerics import _FLOAT_DTYPES, Numerics
 from engine.recipe import Recipe
 
-PAGED_KERNEL_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)  # KV pages the paged kernels read
-# Weight specs with a native GEMM, and the activation specs each pairs with.
-_NATIVE_PAIRS = {
-    "e4m3:128x128": ("e4m3:1x128",),
-    "e4m3:tensor": ("e4m3:tensor",),
-    "mxfp8": ("mxfp8",),
-    "mxfp4": ("bf16", "fp32", "fp16"),
-    "nvfp4": ("bf16", "fp32", "fp16"),
-    "bf16": ("bf16",),
-    "fp32": ("fp32",),
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeFormats:
+    """Which formats have a native kernel: every format check of `NativeNumerics` reads this one table
+    (tests/engine/test_native_formats.py checks it against the kernels' own lists)."""
+
+    quant: tuple[str, ...]  # activation formats the quant kernels write, also fused into RMSNorm / SwiGLU
+    gemm: Mapping[str, tuple[str, ...]]  # weight format -> the activation formats its GEMM reads
+    float_input_gemm: tuple[str, ...]  # weight formats whose GEMM reads a float activation (W4A16, float weights)
+    float_weights: tuple[str, ...]  # weight formats kept in their own dtype for cuBLAS
+    half: tuple[str, ...]  # 16-bit formats carried in their dtype (attention query, lm_head, contiguous K/V)
+    paged_pages: tuple[torch.dtype, ...]  # KV page dtypes the paged kernels read in place
+    paged_out_quant: str  # the paged attention output's quantization for o_proj (from bf16-rounded values)
+    moe: tuple[str, str]  # (expert weight, expert input) formats of the grouped MoE GEMMs
+
+
+NATIVE_FORMATS = NativeFormats(
+    quant=("e4m3:1x128", "mxfp8"),
+    gemm=MappingProxyType({
+        "e4m3:128x128": ("e4m3:1x128",),
+        "e4m3:tensor": ("e4m3:tensor",),
+        "mxfp8": ("mxfp8",),
+        "mxfp4": ("bf16", "fp32", "fp16"),
+        "nvfp4": ("bf16", "fp32", "fp16"),
+        "bf16": ("bf16",),
+        "fp32": ("fp32",),
+    }),
+    float_input_gemm=("mxfp4", "nvfp4", "bf16", "fp32", "fp16"),
+    float_weights=("fp32", "bf16", "fp16"),
+    half=("bf16", "fp16"),
+    paged_pages=(torch.float8_e4m3fn, torch.bfloat16, torch.float16),
+    paged_out_quant="e4m3:1x128",
+    moe=("e4m3:128x128", "e4m3:1x128"),
+)
 
 
 @dataclasses.dataclass
@@ -163,36 +189,30 @@ class NativeNumerics(Numerics):
     """`Numerics` with real GPU kernels at the dispatch points that have one (module docstring).
 
     `small_m`: token count at or below which linear layers use the decode
-    (small-M) FP8 kernel instead of cuBLAS (64: Llama-3-8B decode at batch 64 on
-    the H200 took 6.15 ms per step with it vs 7.14 ms with cuBLAS blockwise from
-    M = 17 up, 2026-11-29; bench_e2e.py --small-m
-    compares). `attn_block`: the attention
+    (small-M) FP8 kernels instead of cuBLAS (64: the measured crossover, docs/design/performance.md, Decode GEMMs;
+    bench_e2e.py --small-m compares). `attn_block`: the attention
     kernel's key/query tile (64, 128 or 256; a serving-config knob). `decode_policy`: which GEMM kernel and
     configuration each call gets (`engine.kernels.decode_plan.DecodePolicy`; default `DEFAULT_POLICY`, the shipped
-    per-device configs and rules), handed to every GEMM call; an A/B measurement passes another one.
+    per-device configs and rules), handed to every GEMM call; an A/B measurement passes another one. `options`:
+    the kernel variants (`engine.kernels.options.KernelOptions`: PDL, fast division, the MX decode paths; default
+    `DEFAULT_OPTIONS`), handed to every kernel call. `kernel_settings` reports both for a result's provenance.
     """
 
-    def __init__(self, recipe: Recipe, small_m: int = 64, attn_block: int = 64, legacy_blockwise: bool = False,
-                 decode_policy=None):
+    def __init__(self, recipe: Recipe, small_m: int = 64, attn_block: int = 64, decode_policy=None, options=None):
         super().__init__(recipe)
-        # legacy_blockwise: a deliberately broken kernel variant for the harness's own tests -- FP8 block
-        # GEMMs through the old `torch._scaled_mm` call with unpadded scales, silently wrong when
-        # K/128 % 4 != 0 (H200_FACTS.md). Never a serving option.
-        self.legacy_blockwise = legacy_blockwise
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'cuda-native' needs a CUDA GPU; none is visible (use cpu-emulated)")
         from engine.kernels import attention as attn_k  # noqa: F401  (fail early when Triton is missing)
         from engine.kernels import gemm, gemm_mx, quant
         from engine.kernels.decode_plan import DEFAULT_POLICY
+        from engine.kernels.options import DEFAULT_OPTIONS
 
         self.decode_policy = decode_policy if decode_policy is not None else DEFAULT_POLICY
+        self.options = options if options is not None else DEFAULT_OPTIONS
         self._quant_k, self._gemm_k, self._mx_k, self._attn_k = quant, gemm, gemm_mx, attn_k
         self.small_m = small_m
         self.attn_block = attn_block
         self.coverage: collections.Counter[str] = collections.Counter()
-        # (fp32 values, their E4M3 1x128 QTensor) from the last fused producer, consumed by the next `quant`
-        self._fused: Optional[tuple[torch.Tensor, QTensor]] = None
-        self._fused_fmt: Optional[str] = None  # the float format the fused values are already rounded to
         self._moe_stacks: dict[str, tuple] = {}
         self._stacks: dict[tuple, tuple] = {}  # merged q/k/v, gate/up weights (see `linears`)
         self._mm_dtype_broken: Optional[str] = None  # why torch.mm(out_dtype=) failed, if it did (lm_head)
@@ -200,6 +220,11 @@ class NativeNumerics(Numerics):
         # when every attention reads a bf16 query (the paged runtime's kernels)
         self._q_bf16: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._q_carrier_bf16 = False
+
+    def kernel_settings(self) -> dict:
+        """What chose this backend's kernels, JSON-ready: the kernel variants and the decode policy's summary."""
+        return {"options": self.options.summary(), "decode_policy": self.decode_policy.summary(),
+                "small_m": self.small_m, "attn_block": self.attn_block}
 
     def _count(self, op: str, how: str) -> None:
         """Record one call of `op` that ran `how` (native, or fallback:<reason>)."""
@@ -220,43 +245,21 @@ class NativeNumerics(Numerics):
         """A fused producer kernel may run: the recipe's activations are E4M3 1x128 or MXFP8 (else there is no
         quantization to fuse, and the kernel's last-ulp differences would be pure cost: under bf16 they
         flip zoo-moe's expert choices), CUDA fp32/bf16 input, 128-multiple rows, nobody observing quants."""
-        return (self.recipe.spec("linear.input") in self._quant_k.QUANT_FORMATS and x.is_cuda and self.observer is None
+        return (self.recipe.spec("linear.input") in NATIVE_FORMATS.quant and x.is_cuda and self.observer is None
                 and x.dim() >= 1 and x.shape[-1] % 128 == 0 and x.numel() > 0
                 and x.dtype in (torch.float32, torch.bfloat16))
-
-    def _remember(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-                  fmt: Optional[str] = None, spec: str = "e4m3:1x128") -> torch.Tensor:
-        """Keep the fused kernel's quantization of `hp` to `spec` for the `quant` call that follows; `fmt`: the
-        float format hp's values are already rounded to (a `round` to it then returns hp itself)."""
-        self._fused = (hp, _block_qtensor(hp, data, scale, spec))
-        self._fused_fmt = fmt
-        return hp
 
     def _fused_quant_spec(self) -> str:
         """The format the fused producers (RMSNorm, SwiGLU, residual + RMSNorm) quantize to: the recipe's default
         GEMM input format (a module whose input format differs re-quantizes in `quant`)."""
         return self.recipe.spec("linear.input")
 
-    def remember_rounded(self, hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-        """A producer kernel (the paged attention's output) rounded its fp32 output `hp` to `fmt` and quantized
-        it E4M3 1x128 (data, scale): the `round` to `fmt` and the `quant` that follow take those."""
-        return self._remember(hp, data, scale, fmt)
-
-    def round(self, x: torch.Tensor, site: str, module: str) -> torch.Tensor:
-        """As the emulation, except that the last fused producer's output, already rounded to this site's format,
-        is returned as is (its pending quantization stays valid)."""
-        f = self._fused
-        if f is not None and self._fused_fmt is not None and x is f[0] and self.observer is None \
-                and self.recipe.spec(site, module) == self._fused_fmt:
-            return x
-        return super().round(x, site, module)
-
     def query_carrier(self, q: torch.Tensor, module: str) -> torch.Tensor:
         """The attention query in its `attn.q` format for a kernel: bf16 / fp16 formats as that dtype (the
         same values as `round`, half the bytes), anything else as `round`'s fp32 values."""
         spec = self.recipe.spec("attn.q", module)
         carried, self._q_bf16 = self._q_bf16, None
-        if spec in ("bf16", "fp16") and self.observer is None:
+        if spec in NATIVE_FORMATS.half and self.observer is None:
             if spec == "bf16" and carried is not None and q is carried[0]:
                 self._count("query_carrier", "native")
                 return carried[1]  # written by the RoPE launch (`rope`): no cast kernel
@@ -265,17 +268,17 @@ class NativeNumerics(Numerics):
         return self.round(q, "attn.q", module)
 
     def pages_native(self, dtype: torch.dtype) -> bool:
-        """The paged kernels read FP8, bf16 and fp16 pages (`PAGED_KERNEL_DTYPES`); fp32 pages (the fp32 recipe's
+        """The paged kernels read FP8, bf16 and fp16 pages (`NATIVE_FORMATS.paged_pages`); fp32 pages (the fp32 recipe's
         cache, and formats stored as emulated values) attend through the emulation: the kernels' P.V products are
         half precision, which an fp32 cache must not get."""
-        return dtype in PAGED_KERNEL_DTYPES
+        return dtype in NATIVE_FORMATS.paged_pages
 
     def paged_attention(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
-                        window: int | None) -> torch.Tensor:
+                        window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
         """On pages the kernels read (`pages_native`): the fused quantize + scatter write (`kv_write`, bit-exact
         with the library write) and the paged decode attention over the block table. bf16 queries travel as bf16
         (`query_carrier`); an attention output stored in bf16 and quantized E4M3 1x128 for o_proj comes out of
-        the kernel already rounded and quantized, and o_proj takes that quantization (`fused_attn_out`). Calls
+        the kernel already rounded and quantized, returned as `fused` for o_proj (`fused_attn_out`). Calls
         longer than the serving config's `fp8_paged_max_tq` on FP8 pages, and other pages, take the emulation's
         path."""
         from engine.kernels.paged_kv import kv_write, paged_decode_attention
@@ -284,19 +287,19 @@ class NativeNumerics(Numerics):
         cap = rt.config.fp8_paged_max_tq
         if not rt.native_attention or (cap is not None and rt.kv.fp8 and t > cap):
             return super().paged_attention(view, layer, q, k, v, module, window)
-        rt.kv.write(layer, view.seq_ids, view.start, k, v, kernel=kv_write)
+        rt.kv.write(layer, view.seq_ids, view.start, k, v, kernel=functools.partial(kv_write, options=self.options))
         q_in = self.query_carrier(q, module)
         fused = self.fused_attn_out(module + ".o_proj")
         ids32, lens32, qpos32 = view.kernel_rows(t)
         out = paged_decode_attention(q_in, rt.kv, layer, seq_lens=lens32, seq_ids=ids32, q_pos=qpos32,
                                      sliding_window=window, block_n=rt.attn_block,
                                      num_splits=rt.splits_for(q.shape[0]),
-                                     out_quant="e4m3:1x128" if fused else None,
-                                     out_round="bf16" if fused else None, return_hp=fused)
+                                     out_quant=NATIVE_FORMATS.paged_out_quant if fused else None,
+                                     out_round="bf16" if fused else None, return_hp=fused, options=self.options)
         if fused:
             data, scale, hp = out
-            return self.remember_rounded(hp, data, scale, "bf16")
-        return out.float()
+            return hp, _block_qtensor(hp, data, scale, NATIVE_FORMATS.paged_out_quant)
+        return out.float(), None
 
     def use_query_carrier(self) -> None:
         """Called by a caller whose attention reads the query through `query_carrier` (the paged runtime): from
@@ -307,36 +310,44 @@ class NativeNumerics(Numerics):
         """The paged attention may emit o_proj's input directly: the attention output is stored in bf16
         (`attn.out`) and o_proj quantizes its input E4M3 1x128 dynamically, nobody observing quants."""
         return (self.recipe.spec("attn.out", o_proj) == "bf16" and self.recipe.spec("linear.input", o_proj)
-                == "e4m3:1x128" and self.observer is None
+                == NATIVE_FORMATS.paged_out_quant and self.observer is None
                 and not (self.recipe.scales and self.recipe.static_scale("linear.input", o_proj) is not None))
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
-        """fp32 RMSNorm through the fused RMSNorm+quant kernel (its quantization kept for `quant`)."""
+    def rmsnorm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      module: str) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """fp32 RMSNorm through the fused RMSNorm+quant kernel: (normed values, their quantization to the recipe's
+        GEMM input format), which the consumer's `act_quant` takes."""
         if self.recipe.spec("norm", module) != "fp32" or not self._fusable(x) or weight.shape != x.shape[-1:]:
             self._count("rmsnorm", "fallback")
-            return super().rmsnorm(x, weight, eps, module)
+            return super().rmsnorm(x, weight, eps, module), None
         spec = self._fused_quant_spec()
         data, scale, hp = self._quant_k.rmsnorm_quant(x.contiguous(), weight.float().contiguous(), eps,
-                                                      return_hp=True, fmt=spec)
+                                                      return_hp=True, fmt=spec, options=self.options)
         self._count("rmsnorm", "native")
-        return self._remember(hp.reshape(x.shape), data, scale, spec=spec)
+        hp = hp.reshape(x.shape)
+        return hp, _block_qtensor(hp, data, scale, spec)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> torch.Tensor:
-        """silu(gate) * up through the fused SwiGLU+quant kernel (its quantization kept for `quant`)."""
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, module: str) -> torch.Tensor:
+        """The values of `rmsnorm_quant` (q/k norms, MLA's latent norm: nothing quantizes them for a GEMM)."""
+        return self.rmsnorm_quant(x, weight, eps, module)[0]
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, module: str) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """silu(gate) * up through the fused SwiGLU+quant kernel: (values, their quantization) as `rmsnorm_quant`."""
         if not (self._fusable(gate) and up.shape == gate.shape and up.dtype == gate.dtype):
             self._count("swiglu", "fallback")
             return super().swiglu(gate, up, module)
         # gate / up are usually the two column halves of the stacked gate/up GEMM's output (`linears`): the kernel
         # reads them at their row stride, with no copy kernels before it
         spec = self._fused_quant_spec()
-        data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True, fmt=spec)
+        data, scale, hp = self._quant_k.swiglu_quant(gate, up, return_hp=True, fmt=spec, options=self.options)
         self._count("swiglu", "native")
-        return self._remember(hp.reshape(gate.shape), data, scale, spec=spec)
+        hp = hp.reshape(gate.shape)
+        return hp, _block_qtensor(hp, data, scale, spec)
 
     def residual_norm(self, x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float, resid: str,
-                      norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm: str) -> tuple[torch.Tensor, torch.Tensor, Optional[QTensor]]:
         """Residual add (+ its bf16 / fp32 rounding) and the fp32 RMSNorm -> quant of the result in one Triton
-        pass (`add_rmsnorm_quant`); the residual is bit-exact with the emulation, the norm as `rmsnorm`."""
+        pass (`add_rmsnorm_quant`); the residual is bit-exact with the emulation, the norm as `rmsnorm_quant`."""
         res_spec = self.recipe.spec("residual", resid)
         if (res_spec not in ("bf16", "fp32") or self.recipe.spec("norm", norm) != "fp32" or not self._fusable(x)
                 or o.shape != x.shape or o.device != x.device or weight.shape != x.shape[-1:]
@@ -345,11 +356,13 @@ class NativeNumerics(Numerics):
             return super().residual_norm(x, o, weight, eps, resid, norm)
         spec = self._fused_quant_spec()
         r, data, scale, hp = self._quant_k.add_rmsnorm_quant(x.contiguous(), o.contiguous(), weight.float().contiguous(),
-                                                             eps, round_bf16=res_spec == "bf16", fmt=spec)
+                                                             eps, round_bf16=res_spec == "bf16", fmt=spec,
+                                                             options=self.options)
         r = r.reshape(x.shape)
         self.emit(resid, r)
         self._count("residual_norm", "native")
-        return r, self._remember(hp.reshape(x.shape), data, scale, spec=spec)
+        hp = hp.reshape(x.shape)
+        return r, hp, _block_qtensor(hp, data, scale, spec)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,10 +375,10 @@ class NativeNumerics(Numerics):
         self._count("rope", "native")
         if self._q_carrier_bf16 and self.observer is None:
             # a bf16 query carrier (`query_carrier`): the same launch writes q rounded to bf16 as well
-            q_out, k_out, q16 = rope_qk(q, k, cos, sin, q_bf16=True)
+            q_out, k_out, q16 = rope_qk(q, k, cos, sin, q_bf16=True, options=self.options)
             self._q_bf16 = (q_out, q16)
             return q_out, k_out
-        return rope_qk(q, k, cos, sin)
+        return rope_qk(q, k, cos, sin, options=self.options)
 
     def embed(self, tokens: torch.Tensor, w: torch.Tensor | NativeWeight) -> torch.Tensor:
         """Lookup in a table stored in its `embed` format (`prepare_embedding`): only the looked-up rows are
@@ -376,12 +389,13 @@ class NativeNumerics(Numerics):
         self._count("embed", "fallback")
         return super().embed(tokens, w)
 
-    def lm_head(self, h: torch.Tensor, w: torch.Tensor | NativeWeight) -> torch.Tensor:
+    def lm_head(self, h: torch.Tensor, w: torch.Tensor | NativeWeight, fused: Optional[QTensor] = None) -> torch.Tensor:
         """A bf16 / fp16 head (the recipe's `lm_head` format) as one cuBLAS GEMM on the weight stored in that
         dtype (half the bytes of its fp32 values), fp32 accumulation and fp32 logits; else the emulation."""
         spec = self.recipe.spec("lm_head", "lm_head")
         if (isinstance(w, NativeWeight) and w.q is None and h.is_cuda and self.observer is None
-                and spec in ("bf16", "fp16") and w.kernel.dtype == _FLOAT_DTYPES[spec] and not self._mm_dtype_broken):
+                and spec in NATIVE_FORMATS.half and w.kernel.dtype == _FLOAT_DTYPES[spec]
+                and not self._mm_dtype_broken):
             k = h.shape[-1]
             try:
                 y = torch.mm(h.reshape(-1, k).to(w.kernel.dtype), w.kernel.t(), out_dtype=torch.float32)
@@ -391,25 +405,32 @@ class NativeNumerics(Numerics):
                 self._count("lm_head", "native")
                 return y.reshape(*h.shape[:-1], w.shape[0])
         self._count("lm_head", "fallback")
-        return super().lm_head(h, _dense(w))
+        return super().lm_head(h, _dense(w), fused)
 
     # ----------------------------------------------------------------- quant
-    def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
-        """`e4m3:1x128` and `mxfp8` through the Triton kernel (bit-exact); anything else emulated.
-
-        The fp32 output of the last fused producer (`rmsnorm` / `swiglu`) is not quantized again: the
-        producer's own quantization of exactly those values is returned (same bits)."""
-        spec = spec or self.recipe.spec(site, module)
-        fused, self._fused, self._fused_fmt = self._fused, None, None
-        native = spec in self._quant_k.QUANT_FORMATS and x.is_cuda and self.observer is None and not (
+    def _quant_native(self, x: torch.Tensor, site: str, module: str, spec: str) -> bool:
+        """The quant kernels write `spec` for this call: a kernel format, CUDA input, a dynamic scale, nobody
+        observing quants."""
+        return spec in NATIVE_FORMATS.quant and x.is_cuda and self.observer is None and not (
             self.recipe.scales and self.recipe.static_scale(site, module) is not None)
-        if native and fused is not None and x.data_ptr() == fused[0].data_ptr() and x.shape == fused[0].shape \
-                and x.dtype == fused[0].dtype and fused[1].spec == parse_spec(spec):
+
+    def act_quant(self, x: torch.Tensor, module: str, site: str = "linear.input",
+                  fused: Optional[QTensor] = None) -> QTensor:
+        """The producer's own quantization `fused` of exactly x (a fused kernel's, bit-exact with the quant
+        kernel) when it is this site's format and the quant kernel would run; else `quant`."""
+        spec = self.recipe.spec(site, module)
+        if fused is not None and fused.shape == x.shape and fused.spec == parse_spec(spec) \
+                and self._quant_native(x, site, module, spec):
             self._count("quant", "native")
-            return fused[1]
-        if native:
+            return fused
+        return self.quant(x, site, module)
+
+    def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
+        """`e4m3:1x128` and `mxfp8` through the Triton kernel (bit-exact); anything else emulated."""
+        spec = spec or self.recipe.spec(site, module)
+        if self._quant_native(x, site, module, spec):
             k = x.shape[-1]
-            data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous(), fmt=spec)
+            data, scale = self._quant_k.act_quant(x.float().reshape(-1, k).contiguous(), fmt=spec, options=self.options)
             self._count("quant", "native")
             return _block_qtensor(x, data, scale, spec)
         if spec in _FLOAT_DTYPES and self.observer is None and x.is_cuda and not (
@@ -437,12 +458,12 @@ class NativeNumerics(Numerics):
         if site not in ("linear.weight", "moe.weight"):
             return super().prepare_weight(w, site, module)
         spec = self.recipe.spec(site, module)
-        if spec in ("fp32", "bf16", "fp16"):  # kept in its own dtype: cuBLAS reads half the bytes of fp32
+        if spec in NATIVE_FORMATS.float_weights:  # kept in its own dtype: cuBLAS reads half the bytes of fp32
             return NativeWeight(spec, w.shape, kernel=w.to(_FLOAT_DTYPES[spec]).contiguous())
         static = self.recipe.static_scale(site, module) if self.recipe.scales else None
         q = quantize(w.float(), spec) if static is None else quantize(w.float(), spec, scale=static)
         nw = NativeWeight(spec, w.shape, q=q)
-        if spec in _NATIVE_PAIRS:
+        if spec in NATIVE_FORMATS.gemm:
             nw.kernel = self._mx_k.prepare_weight(q)
         return nw
 
@@ -459,8 +480,8 @@ class NativeNumerics(Numerics):
             return None
         out_dtype = _FLOAT_DTYPES[out_spec]
         x_spec = str(xq.spec) if isinstance(xq, QTensor) else "float"
-        native = (x_spec in _NATIVE_PAIRS.get(w.spec, ()) if isinstance(xq, QTensor)
-                  else w.spec in ("mxfp4", "nvfp4", "bf16", "fp32", "fp16"))
+        native = (x_spec in NATIVE_FORMATS.gemm.get(w.spec, ()) if isinstance(xq, QTensor)
+                  else w.spec in NATIVE_FORMATS.float_input_gemm)
         if not native:
             self._count("linear", f"fallback:{x_spec}x{w.spec}")
             return None
@@ -468,22 +489,21 @@ class NativeNumerics(Numerics):
         if isinstance(xq, QTensor):
             k = xq.shape[-1]
             lead = xq.shape[:-1]
-            if w.spec == "e4m3:128x128" and self.legacy_blockwise and xq.data.numel() // k > self.small_m:
-                y = g.legacy_scaled_mm_blockwise(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                                                 w.q.data, w.q.scale, out_dtype=out_dtype)
-                y = y if bias is None else y + bias.to(y.dtype)
-            elif w.spec == "e4m3:128x128":
+            if w.spec == "e4m3:128x128":
                 # a bf16 output comes back as its fp32 values (the model's carrier) without a cast kernel
                 rnd = "bf16" if out_dtype == torch.bfloat16 else None
                 y = g.fp8_block_linear(xq.data.reshape(-1, k), xq.scale.reshape(-1, xq.scale.shape[-1]),
                                        w.q.data, w.q.scale, bias=bias, small_m=self.small_m, out_round=rnd,
-                                       out_dtype=torch.float32 if rnd else out_dtype, policy=self.decode_policy)
+                                       out_dtype=torch.float32 if rnd else out_dtype, policy=self.decode_policy,
+                                       options=self.options)
             elif w.spec == "e4m3:tensor":
                 y = g.fp8_tensor_linear(xq.data.reshape(-1, k), xq.scale, w.q.data, w.q.scale, bias=bias,
-                                        out_dtype=out_dtype, policy=self.decode_policy)
+                                        out_dtype=out_dtype, policy=self.decode_policy,
+                                        options=self.options)
             elif w.spec == "mxfp8":
                 y = self._mx_k.mx_linear(xq, w.kernel if w.kernel is not None else w.q, bias=bias,
-                                         out_dtype=out_dtype, policy=self.decode_policy)
+                                         out_dtype=out_dtype, policy=self.decode_policy,
+                                         options=self.options)
             else:
                 self._count("linear", f"fallback:{x_spec}x{w.spec}")
                 return None
@@ -492,7 +512,8 @@ class NativeNumerics(Numerics):
             x2 = xq.reshape(-1, k)
             if w.spec in ("mxfp4", "nvfp4"):
                 y = self._mx_k.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q,
-                                         bias=bias, out_dtype=out_dtype, policy=self.decode_policy)
+                                         bias=bias, out_dtype=out_dtype, policy=self.decode_policy,
+                                         options=self.options)
             else:  # float weight: cuBLAS in the weight's dtype (fp32 accumulate; TF32 off by the reference setup)
                 dt = w.kernel.dtype
                 y = F.linear(x2.to(dt), w.kernel, None if bias is None else bias.to(dt))
@@ -544,8 +565,8 @@ class NativeNumerics(Numerics):
         """The N-stacked e4m3:128x128 weight of `ws` for a merged GEMM, or None when the call does not qualify
         (other formats, N not a multiple of 128, differing K / output formats, a local probe watching)."""
         if (len(ws) < 2 or not isinstance(x, QTensor) or str(x.spec) != "e4m3:1x128" or self.local is not None
-                or self.legacy_blockwise or not all(isinstance(w, NativeWeight) and w.spec == "e4m3:128x128"
-                                                    and w.q is not None and w.shape[0] % 128 == 0 for w in ws)
+                or not all(isinstance(w, NativeWeight) and w.spec == "e4m3:128x128"
+                           and w.q is not None and w.shape[0] % 128 == 0 for w in ws)
                 or len({w.shape[1] for w in ws}) != 1
                 or len({self.recipe.spec("linear.output", m) for m in modules}) != 1):
             return None
@@ -592,7 +613,7 @@ class NativeNumerics(Numerics):
             # K/V/Q hold their storage format's values in fp32; bf16/fp16 formats travel losslessly
             # in that dtype, scaled FP8 values stay fp32 (exact) for the kernel.
             s = self.recipe.spec(site, module)
-            return t.to(_FLOAT_DTYPES[s]) if s in ("bf16", "fp16") else t
+            return t.to(_FLOAT_DTYPES[s]) if s in NATIVE_FORMATS.half else t
 
         qc, kc, vc = _carrier(q, "attn.q"), _carrier(k, "kv.k"), _carrier(v, "kv.v")
         if qc.dtype == torch.float32 or kc.dtype == torch.float32 or vc.dtype == torch.float32:
@@ -612,9 +633,10 @@ class NativeNumerics(Numerics):
         """Sorted-by-expert grouped FP8 GEMMs for block-FP8 experts, else the emulation."""
         specs = {e.spec for ex in experts for e in ex if isinstance(e, NativeWeight)}
         in_spec = str(xq.spec)
-        ok = (specs == {"e4m3:128x128"} and in_spec == "e4m3:1x128" and self.recipe.accumulate == "fp32"
+        w_spec, x_spec = NATIVE_FORMATS.moe
+        ok = (specs == {w_spec} and in_spec == x_spec and self.recipe.accumulate == "fp32"
               and self.observer is None and self._rowwise_spec(
-                  "moe.input", [f"{module}.experts.{e}.down_proj" for e in range(len(experts))]) == "e4m3:1x128")
+                  "moe.input", [f"{module}.experts.{e}.down_proj" for e in range(len(experts))]) == x_spec)
         if not ok:
             self._count("moe", "fallback:" + (",".join(sorted(specs)) or "float") + "/" + in_spec)
             dense = [tuple(_dense(t) for t in ex) for ex in experts]
