@@ -14,8 +14,8 @@ For each suite the catalog (`suites/selftest/mutations.yaml`) names:
    `n_min`, the number of windows at which the end-to-end paired rule would catch it (`min_windows`).
 
 `device: gpu` entries are listed as `gpu` with their injection point: they run on the device. Every outcome is
-written to `OUT/<suite>/mutations/<id>.json` as it finishes and the report to `OUT/mutations.json` / `.md`, each
-atomically (a temporary file renamed over the old one).
+written to `OUT/<suite>/mutations/<id>.json` as it finishes and the report to `OUT/mutations.json` / `.md` after
+each outcome (`complete: false` until the last), each atomically (a temporary file renamed over the old one).
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ def _suite_models(suite_path: str, sets: list[str], data_dir: str | None, models
 
 
 def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str], data_dir: str | None,
-               models: list[str] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Baselines, nulls and mutations of one suite; returns the outcome dicts."""
+               models: list[str] | None, log: Callable[[str], None],
+               done: Callable[[list[dict[str, Any]]], None] = lambda r: None) -> list[dict[str, Any]]:
+    """Baselines, nulls and mutations of one suite; returns the outcome dicts. `done` gets the outcomes so far
+    after each one (the caller rewrites the report, so an interrupted run leaves a partial one)."""
     from evalharness.baselines import update_baselines
     from evalharness.gate import validate_rules
     from evalharness.runner import run_suite
@@ -161,6 +163,10 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
         t0 = time.time()
         runs = _variant_runs(Entry(entry.id, "null", entry.baseline, seed=entry.seed), suite.runs, mnames)
         vdir = out / "variants" / entry.id
+        if (base_dir / "ref_cache").is_dir():  # the reference's outputs do not change: reuse the baseline's cache
+            vdir.mkdir(parents=True, exist_ok=True)
+            if not (vdir / "ref_cache").exists():
+                (vdir / "ref_cache").symlink_to((base_dir / "ref_cache").resolve(), target_is_directory=True)
         vsuite = Suite(path=suite.path, raw=suite.raw, data_dir=suite.data_dir, runs=runs, skipped=[],
                        reference_device=suite.reference_device)
         if mutation is None:
@@ -195,6 +201,7 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
             doc = run_variant(e, list(model_entries), None)
             _write_json(out / "mutations" / f"{e.id}.json", doc)
             results.append(doc)
+            done(results)
             log(f"  null {e.id}: {doc['status']} (gate exit {doc['gate_exit']}) in {doc['seconds']:.0f}s")
     for m in muts:
         e = Entry(m.id, "planted", m.baseline, what=m.what, requires=m.requires)
@@ -207,6 +214,7 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
             doc = run_variant(e, mnames, m)
         _write_json(out / "mutations" / f"{m.id}.json", doc)
         results.append(doc)
+        done(results)
         log(f"  mutation {m.id}: {doc['status']} {_caught_text(doc)}")
     return results
 
@@ -247,19 +255,22 @@ def run_mutations(out_dir: str | Path, catalog: str | Path = MUTATIONS, suite: s
         if m.device == "cpu":
             path = suite if (suite and m.suite == Mutation.suite) else str(REPO / m.suite)
             groups.setdefault(path, []).append(m)
+    gpu = [{"id": m.id, "kind": "planted", "status": "gpu", "what": m.what, "baseline": m.baseline,
+            "target": m.target, "device": "gpu", "reason": "native kernel: run on the device"}
+           for m in muts if m.device == "gpu"]
     entries: list[dict[str, Any]] = []
+
+    def write(group_so_far: list[dict[str, Any]], final: bool = False) -> dict[str, Any]:
+        report = summarize(entries + group_so_far + gpu, catalog=str(catalog), sets=list(sets or []),
+                           models=models, seconds=time.time() - t0, complete=final)
+        _write_json(out / "mutations.json", report)
+        _write_text(out / "mutations.md", "# Mutation selftest\n\n```text\n" + table(report) + "\n```\n")
+        return report
+
     for path, group in groups.items():
         sub = out / Path(path).stem
-        entries += _run_group(path, group, sub, list(sets or []), data_dir, models, log)
-    for m in muts:
-        if m.device == "gpu":
-            entries.append({"id": m.id, "kind": "planted", "status": "gpu", "what": m.what, "baseline": m.baseline,
-                            "target": m.target, "device": "gpu", "reason": "native kernel: run on the device"})
-    report = summarize(entries, catalog=str(catalog), sets=list(sets or []), models=models,
-                       seconds=time.time() - t0)
-    _write_json(out / "mutations.json", report)
-    _write_text(out / "mutations.md", "# Mutation selftest\n\n```text\n" + table(report) + "\n```\n")
-    return report
+        entries += _run_group(path, group, sub, list(sets or []), data_dir, models, log, done=write)
+    return write([], final=True)
 
 
 def summarize(entries: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
