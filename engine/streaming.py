@@ -289,6 +289,12 @@ class StreamedEngine:
         self.serving = ServingConfig()
         self.resident_bytes = resident_bytes
 
+    def kernel_settings(self) -> dict:
+        """What chose the kernels, for a result's provenance (`engine.api.Engine.kernel_settings`)."""
+        from engine.api import Engine
+
+        return Engine.kernel_settings(self)
+
     @property
     def vocab_size(self) -> int:
         """Size of the output distribution."""
