@@ -181,6 +181,8 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
         res = _gate_variant(entry, vdir, baselines, keys, mnames, t0)
         crashed = [k for k in sorted(keys) if (vdir / f"{k}.json").exists()
                    and json.loads((vdir / f"{k}.json").read_text()).get("status") != "ok"]
+        if res.status == "n/a":
+            res.reason = "never fired: every metric of every cell equals the unmutated baseline's"
         if crashed:  # a fault that crashes the engine is a broken fixture, not a catch
             res.status, res.reason = "error", f"variant run(s) errored: {crashed} (see {vdir})"
         doc = res.to_dict()
