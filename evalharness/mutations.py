@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import yaml
 
 from evalharness.errors import SuiteError
 
@@ -49,13 +48,10 @@ class Mutation:
 
 def load_mutations(path: str | Path = MUTATIONS) -> list[Mutation]:
     """Parse and validate the mutation catalog; errors name the file, the entry and the key."""
+    from evalharness.selftest import read_catalog
+
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SuiteError(f"mutation catalog not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise SuiteError(f"{path}: malformed YAML: {exc}") from None
+    raw = read_catalog(path, "mutation catalog")
     items = raw.get("mutations") if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise SuiteError(f"{path}: the catalog must be a mapping with a list 'mutations'")

@@ -113,15 +113,31 @@ class Outcome:
                 "seconds": round(self.seconds, 2), "reason": self.reason}
 
 
+def read_catalog(path: Path, what: str) -> Any:
+    """The YAML document of a catalog file (safe_load); a SuiteError naming `what` and the file when it is missing
+    or malformed."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SuiteError(f"{what} not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise SuiteError(f"{path}: malformed YAML: {exc}") from None
+
+
+def select_ids(items: list, only, what: str) -> list:
+    """The items whose `id` is in `only` (all of them when `only` is empty); unknown ids are a SuiteError."""
+    if not only:
+        return items
+    unknown = sorted(set(only) - {x.id for x in items})
+    if unknown:
+        raise SuiteError(f"--only: unknown {what} id(s) {unknown}; catalog ids: {[x.id for x in items]}")
+    return [x for x in items if x.id in only]
+
+
 def load_catalog(path: str | Path = CATALOG) -> list[Entry]:
     """Parse and validate the catalog; errors name the file, section and index."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SuiteError(f"selftest catalog not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise SuiteError(f"{path}: malformed YAML: {exc}") from None
+    raw = read_catalog(path, "selftest catalog")
     if not isinstance(raw, dict) or set(raw) - {"planted", "nulls"}:
         raise SuiteError(f"{path}: the catalog must be a mapping with the sections 'planted' and 'nulls'")
     entries: list[Entry] = []
@@ -349,12 +365,7 @@ def run_selftest(suite_path: str | Path, out_dir: str | Path, sets: list[str] | 
         from evalharness.progress import Progress
 
         log = progress = Progress()
-    entries = load_catalog(catalog)
-    if only:
-        unknown = sorted(set(only) - {e.id for e in entries})
-        if unknown:
-            raise SuiteError(f"--only: unknown selftest id(s) {unknown}; catalog ids: {[e.id for e in entries]}")
-        entries = [e for e in entries if e.id in only]
+    entries = select_ids(load_catalog(catalog), only, "selftest")
     suite0 = load_suite(suite_path, sets=sets, data_dir=data_dir)
     validate_rules(suite0.raw.get("gate"), str(suite0.path))
     model_entries = {r.model["name"]: r.model for r in suite0.runs}

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from evalharness.errors import SuiteError
 from evalharness.mutations import MUTATIONS, REPO, Mutation, load_mutations, patched
-from evalharness.selftest import Entry, _applicable_models, _gate_variant, _strongest_fail, _variant_runs
+from evalharness.selftest import Entry, _applicable_models, select_ids, _gate_variant, _strongest_fail, _variant_runs
 
 NULLS = (("rerun", None), ("seed-1", 1))
 POWER = 0.8
@@ -246,12 +246,7 @@ def run_mutations(out_dir: str | Path, catalog: str | Path = MUTATIONS, suite: s
     log = log or (lambda s: print(s, flush=True))
     t0 = time.time()
     out = Path(out_dir)
-    muts = load_mutations(catalog)
-    if only:
-        unknown = sorted(set(only) - {m.id for m in muts})
-        if unknown:
-            raise SuiteError(f"--only: unknown mutation id(s) {unknown}; catalog ids: {[m.id for m in muts]}")
-        muts = [m for m in muts if m.id in only]
+    muts = select_ids(load_mutations(catalog), only, "mutation")
     groups: dict[str, list[Mutation]] = {}
     for m in muts:
         if m.device == "cpu":
