@@ -292,9 +292,9 @@ class Numerics:
         rt.kv.write(layer, view.seq_ids, view.start, k, v)
         q_pos = view.positions(t)
         outs = []
-        for b in range(q.shape[0]):
-            n = int(view.start[b]) + t
-            kb, vb = rt.kv.gather(layer, int(view.seq_ids[b]), n)
+        for b, (sid, st) in enumerate(zip(*view.host_rows())):
+            n = st + t
+            kb, vb = rt.kv.gather(layer, sid, n)
             outs.append(self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
                                        window))
         return torch.cat(outs), None

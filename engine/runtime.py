@@ -45,10 +45,18 @@ class _PagedView:
         self.rt, self.seq_ids, self.start = rt, seq_ids, start  # (batch,) int64 on the device
         self.length = 0  # the model's contiguous-cache counter; positions come from `start`
         self._rows: dict[int, tuple] = {}  # t -> the kernels' int32 row tensors, built once per forward
+        self._host: tuple[list[int], list[int]] | None = None
 
     def positions(self, t: int) -> torch.Tensor:
         """(batch, t) absolute positions of this call's tokens."""
         return self.start[:, None] + torch.arange(t, device=self.start.device)
+
+    def host_rows(self) -> tuple[list[int], list[int]]:
+        """(sequence ids, start positions) of the rows as host ints, read once per forward (one sync) for every
+        layer's gathered-page attention."""
+        if self._host is None:
+            self._host = (self.seq_ids.tolist(), self.start.tolist())
+        return self._host
 
     def kernel_rows(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(seq_ids, seq_lens = start + t, q positions (batch, t)) as int32, shared by every layer's attention
