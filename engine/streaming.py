@@ -21,6 +21,7 @@ batch gets the same bits as the resident forward on the same device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -33,7 +34,7 @@ from engine.model import LayerState, Transformer, prepare_weight
 from engine.numerics import LocalProbe, QuantObserver
 from engine.recipe import Recipe, load_recipe
 from engine.rope import mla_softmax_scale, rope_attention_factor, rope_inv_freq
-from engine.weights import _all_finite, canonical_weights, expected_shapes
+from engine.weights import canonical_weights, check_weights, expected_shapes
 
 if TYPE_CHECKING:
     from engine.loading import ModelSource
@@ -159,31 +160,27 @@ class LayerStore:
                 by["head"].append(name)
         return by
 
-    def _read(self, name: str, device: torch.device) -> torch.Tensor:
-        """One checkpoint tensor on `device` in its stored dtype (FP8 with block scales: dequantized, fp32)."""
-        if not self.files:
-            t = self.weights[name]
-            self.bytes_read += t.numel() * t.element_size()
-            t = t.to(device)
-            scale = self.weights.get(name + "_scale_inv")
-        else:
-            from safetensors import SafetensorError, safe_open
+    def _read(self, name: str, device: torch.device, shard: Callable[[Path], Any]) -> torch.Tensor:
+        """One checkpoint tensor on `device` in its stored dtype (FP8 with block scales: dequantized, fp32).
+        `shard(file)`: that file's open safetensors handle (each file is opened once per stage)."""
+        from safetensors import SafetensorError
 
-            f = self.files[name]
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    t = st.get_tensor(name)
-                    self.bytes_read += t.numel() * t.element_size()
-                    t = t.to(device)
-                sf = self.files.get(name + "_scale_inv")
-                scale = None
-                if sf is not None:
-                    with safe_open(str(sf), framework="pt") as st:
-                        scale = st.get_tensor(name + "_scale_inv")
-                        self.bytes_read += scale.numel() * scale.element_size()
-            except (SafetensorError, OSError, RuntimeError) as exc:
-                raise WeightsError(f"{f}: corrupt or truncated safetensors file reading '{name}' ({exc}); "
-                                   "re-export it") from None
+        def get(key: str) -> torch.Tensor | None:
+            if not self.files:
+                t = self.weights.get(key)
+            else:
+                f = self.files.get(key)
+                t = None if f is None else shard(f).get_tensor(key)
+            if t is not None:
+                self.bytes_read += t.numel() * t.element_size()
+            return t
+
+        try:
+            t = get(name).to(device)
+            scale = get(name + "_scale_inv")
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise WeightsError(f"{self.files.get(name, self.where)}: corrupt or truncated safetensors file reading "
+                               f"'{name}' ({exc}); re-export it") from None
         if t.dtype in _FP8:
             if scale is None:
                 raise WeightsError(f"{self.where}: FP8 tensor '{name}' has no '{name}_scale_inv'; only FP8 "
@@ -208,14 +205,24 @@ class LayerStore:
             owner = _LAYER.match(extra)
             pool = self._by_stage.get(int(owner.group(1)) if owner else "head", [])
             wanted_names += [n for n in pool if _wanted(cfg, needed, n) == extra]
-        for name in wanted_names:
-            slot = experts.slot(name)
-            if slot is not None:
-                experts.put(name, slot, self._read(name, device))
-                continue
-            keep = _wanted(cfg, needed, name)
-            if keep is not None:
-                out[keep] = self._read(name, device).float()
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+
+            def shard(f: Path):
+                if f not in handles:
+                    from safetensors import safe_open
+
+                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+                return handles[f]
+
+            for name in wanted_names:
+                slot = experts.slot(name)
+                if slot is not None:
+                    experts.put(name, slot, self._read(name, device, shard))
+                    continue
+                keep = _wanted(cfg, needed, name)
+                if keep is not None:
+                    out[keep] = self._read(name, device, shard).float()
         missing = experts.missing()
         if missing:
             raise WeightsError(f"{self.where}: checkpoint lacks {len(missing)} tensor(s) the config needs, "
@@ -227,19 +234,7 @@ class LayerStore:
 
     def _check(self, stage: Stage, weights: Mapping[str, torch.Tensor]) -> None:
         """Raise `WeightsError` naming the first missing / misshapen / non-finite tensor of the stage."""
-        shapes = expected_shapes(self.cfg)
-        canon = canonical_weights(weights)
-        fix = ("the checkpoint and its config.json do not belong together: re-export the checkpoint, or use the "
-               "config it was saved with")
-        for name in stage_names(self.cfg, stage):
-            t = canon.get(name)
-            if t is None:
-                raise WeightsError(f"{self.where}: checkpoint lacks tensor '{name}' the config needs; {fix}")
-            if tuple(t.shape) != shapes[name]:
-                raise WeightsError(f"{self.where}: tensor '{name}' has shape {tuple(t.shape)}, config expects "
-                                   f"{shapes[name]}; {fix}")
-            if not _all_finite(t):
-                raise WeightsError(f"{self.where}: tensor '{name}' holds NaN/Inf values; the checkpoint is corrupt")
+        check_weights(self.cfg, canonical_weights(weights), self.where, stage_names(self.cfg, stage))
 
     def stage_bytes(self, stage: Stage) -> int:
         """fp32 bytes of a stage's tensors on the device (from the config)."""

@@ -15,7 +15,7 @@ spelling ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``;
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -143,9 +143,13 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     return all(bool(torch.isfinite(part).all()) for part in t.split(rows))
 
 
-def check_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise `WeightsError` naming the first missing / misshapen / non-finite tensor."""
+def check_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], where: str,
+                  names: Iterable[str] | None = None) -> None:
+    """Raise `WeightsError` naming the first missing / misshapen / non-finite tensor of `names` (default: every
+    tensor the config needs; a layer-streamed stage passes its own)."""
     shapes = expected_shapes(cfg)
+    if names is not None:
+        shapes = {n: shapes[n] for n in names}
     fix = ("the checkpoint and its config.json do not belong together: re-export the checkpoint, or use the config "
            "it was saved with")
     missing = [n for n in shapes if n not in weights]
