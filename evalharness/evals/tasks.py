@@ -51,6 +51,7 @@ from typing import Any
 from evalharness import stats
 from evalharness.errors import DataError
 from evalharness.evals import EvalContext
+from evalharness.evals.lm_templates import compiled_templates
 
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_standard", "gsm8k", "mmlu")
 # Which per-sample metric is "correct", in order of preference.
@@ -243,7 +244,7 @@ def evaluate_task(lm, tm, task: str, limit: int | None, fewshot: int | None, see
     """
     from lm_eval.evaluator import evaluate
 
-    with _quiet_lm_eval():
+    with _quiet_lm_eval(), compiled_templates():
         loaded, defaults = _load_task(tm, task)
         for name, tobj in loaded["tasks"].items():
             _configure(name, tobj, defaults[name], fewshot, seed, max_gen_toks)
