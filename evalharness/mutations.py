@@ -11,6 +11,11 @@ inside the one engine module that calls it (the FP32 reference, which also calls
 
 Faults mutate only what the engine computes in fp32 and leave float64 inputs alone: the op-local conformance probes
 (`Numerics.local`) compute their ideal in float64 through the same names and must still see the ideal.
+
+An entry may instead carry `mutate:`, a list of source edits ``{find, replace[, target]}``: the target function --
+a Triton kernel or helper, a launcher, a method -- is recompiled from its own source with each snippet replaced, for
+the duration of the run (`evalharness.kernel_mutations`). The native-kernel entries (`device: gpu`) are planted this
+way, or through a fault factory where the fault is in Python (the CUDA-graph replay).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from evalharness.errors import SuiteError
+from evalharness.kernel_mutations import Edit, mutated, parse_edits
 
 REPO = Path(__file__).resolve().parent.parent
 MUTATIONS = REPO / "suites" / "selftest" / "mutations.yaml"
-KEYS = ("id", "target", "fault", "baseline", "suite", "requires", "device", "what")
+KEYS = ("id", "target", "fault", "mutate", "baseline", "suite", "requires", "device", "what")
 DEVICES = ("cpu", "gpu")
 
 
@@ -40,10 +46,11 @@ class Mutation:
     target: str
     baseline: str
     what: str
-    fault: str | None = None  # key of FAULTS (cpu entries); gpu entries name only their injection point
+    fault: str | None = None  # key of FAULTS: a factory of the faulty function
+    mutate: tuple[Edit, ...] = ()  # or source edits of the target (and of the edits' own targets)
     suite: str = "suites/smoke.yaml"
     requires: str | None = None  # moe: only models with routed experts
-    device: str = "cpu"
+    device: str = "cpu"  # gpu: a native-kernel fault, run where CUDA is
 
 
 def load_mutations(path: str | Path = MUTATIONS) -> list[Mutation]:
@@ -69,17 +76,22 @@ def load_mutations(path: str | Path = MUTATIONS) -> list[Mutation]:
         if item["id"] in seen:
             raise SuiteError(f"{where}: duplicate id '{item['id']}'")
         seen.add(item["id"])
-        m = Mutation(**{k: item[k] for k in KEYS if k in item})
+        fields = {k: item[k] for k in KEYS if k in item}
+        if "mutate" in fields:
+            fields["mutate"] = parse_edits(fields["mutate"], where)
+        m = Mutation(**fields)
         if m.device not in DEVICES:
             raise SuiteError(f"{where}: device must be one of {list(DEVICES)}, got {m.device!r}")
         if m.requires not in (None, "moe"):
             raise SuiteError(f"{where}: requires must be 'moe' or absent, got {m.requires!r}")
-        if m.device == "cpu":
-            if m.fault not in FAULTS:
-                raise SuiteError(f"{where}: fault {m.fault!r} is not one of evalharness.mutations.FAULTS "
-                                 f"({sorted(FAULTS)})")
-            if ":" not in m.target:
-                raise SuiteError(f"{where}: target must be 'module:attr[.attr]', got {m.target!r}")
+        if (m.fault is None) == (not m.mutate):
+            raise SuiteError(f"{where}: give exactly one of 'fault' (a key of evalharness.mutations.FAULTS) and "
+                             "'mutate' (source edits)")
+        if m.fault is not None and m.fault not in FAULTS:
+            raise SuiteError(f"{where}: fault {m.fault!r} is not one of evalharness.mutations.FAULTS "
+                             f"({sorted(FAULTS)})")
+        if ":" not in m.target:
+            raise SuiteError(f"{where}: target must be 'module:attr[.attr]', got {m.target!r}")
         out.append(m)
     return out
 
@@ -117,10 +129,12 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
 
 @contextlib.contextmanager
 def patched(m: Mutation) -> Iterator[Callable]:
-    """Plant mutation `m` for the duration of the block; yields the faulty function. Restores on exit."""
-    if m.device != "cpu" or m.fault is None:
-        raise SuiteError(f"mutation {m.id}: a {m.device} entry has no CPU fault to plant (injection point "
-                         f"{m.target}); run it on the device")
+    """Plant mutation `m` for the duration of the block; yields the faulty function (for `mutate` entries the
+    list of mutated functions). Restores on exit, also when the block raises."""
+    if m.mutate:
+        with mutated(m.id, m.target, m.mutate) as fns:
+            yield fns
+        return
     mod_name, _, path = m.target.partition(":")
     head, _, rest = path.partition(".")
     module = importlib.import_module(mod_name)
@@ -360,6 +374,18 @@ def _chunk_boundary(orig):
     return fault
 
 
+def _graph_stale_tokens(orig):
+    """A CUDA-graph decode replay whose static token buffer is not refreshed: once a batch size's graph is captured,
+    each step replays on what the buffer holds (the previous step's tokens) instead of this step's. The step that
+    captures, and eager steps, are untouched."""
+    def fault(self, tokens, seq_ids, start):
+        graphs = getattr(self, "_graphs", {})
+        if self.graphs and tokens.shape[0] in graphs:
+            tokens = graphs[tokens.shape[0]][1].clone()  # the buffer's stale contents, copied back unchanged
+        return orig(self, tokens, seq_ids, start)
+    return fault
+
+
 FAULTS: dict[str, Callable[[Callable], Callable]] = {
     "round-toward-zero": _round_toward_zero,
     "saturate-wraps": _saturate_wraps,
@@ -377,4 +403,5 @@ FAULTS: dict[str, Callable[[Callable], Callable]] = {
     "page-table-off-by-one": _page_table_off_by_one,
     "stale-prefix-page": _stale_prefix_page,
     "chunk-boundary": _chunk_boundary,
+    "graph-stale-tokens": _graph_stale_tokens,
 }
