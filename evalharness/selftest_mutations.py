@@ -13,7 +13,8 @@ For each suite the catalog (`suites/selftest/mutations.yaml`) names:
    largest worsening of kld_mean / top1_agree / ppl_ratio over sqrt(2) x the baseline's standard error) and
    `n_min`, the number of windows at which the end-to-end paired rule would catch it (`min_windows`).
 
-`device: gpu` entries are listed as `gpu` with their injection point: they run on the device. Every outcome is
+`device: gpu` entries (native-kernel faults, run under their own cuda-native suites) run where CUDA is available;
+elsewhere they are listed as `gpu` with their injection point. Every outcome is
 written to `OUT/<suite>/mutations/<id>.json` as it finishes and the report to `OUT/mutations.json` / `.md` after
 each outcome (`complete: false` until the last), each atomically (a temporary file renamed over the old one).
 """
@@ -143,7 +144,7 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
     model_entries = _suite_models(suite_path, sets, data_dir, models)
     if not model_entries:
         return [{"id": m.id, "kind": "planted", "status": "n/a", "what": m.what, "baseline": m.baseline,
-                 "suite": str(suite_path), "target": m.target, "fault": m.fault, "device": "cpu",
+                 "suite": str(suite_path), "target": m.target, "fault": m.fault, "device": m.device,
                  "reason": f"--models {models}: none of them is in {Path(suite_path).name}"} for m in muts]
     recipes = sorted({m.baseline for m in muts})
     suite = load_suite(suite_path, sets=list(sets) + ["recipe=" + ",".join(recipes)], data_dir=data_dir)
@@ -187,7 +188,7 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
             res.status, res.reason = "error", f"variant run(s) errored: {crashed} (see {vdir})"
         doc = res.to_dict()
         doc.update(suite=str(suite_path), target=mutation.target if mutation else None,
-                   fault=mutation.fault if mutation else None, device="cpu")
+                   fault=mutation.fault if mutation else None, device=mutation.device if mutation else None)
         strongest = _strongest_fail([_Fail(f) for f in res.fails])
         doc["caught_by"] = ({"metric": strongest.metric, "rule": strongest.rule, "run_key": strongest.run_key,
                              "margin": strongest.margin} if strongest else None)
@@ -210,7 +211,7 @@ def _run_group(suite_path: str, muts: list[Mutation], out: Path, sets: list[str]
         mnames = _applicable_models(e, list(model_entries.values()))
         if not mnames:
             doc = {"id": m.id, "kind": "planted", "status": "n/a", "what": m.what, "baseline": m.baseline,
-                   "suite": str(suite_path), "target": m.target, "fault": m.fault, "device": "cpu",
+                   "suite": str(suite_path), "target": m.target, "fault": m.fault, "device": m.device,
                    "reason": f"no {m.requires} model in the suite"}
         else:
             doc = run_variant(e, mnames, m)
@@ -238,23 +239,28 @@ class _Fail:
 
 def run_mutations(out_dir: str | Path, catalog: str | Path = MUTATIONS, suite: str | None = None,
                   sets: list[str] | None = None, data_dir: str | None = None, only: list[str] | None = None,
-                  models: list[str] | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every CPU mutation of `catalog` (module docstring); returns the report (also OUT/mutations.json).
+                  models: list[str] | None = None, log: Callable[[str], None] | None = None,
+                  cuda: bool | None = None) -> dict[str, Any]:
+    """Run the mutations of `catalog` (module docstring): the CPU ones, and the GPU ones where CUDA is available
+    (`cuda`; default: `torch.cuda.is_available()`); returns the report (also OUT/mutations.json).
 
     `suite` replaces the default suite (suites/smoke.yaml) of the entries that do not name their own.
     """
+    import torch
+
     log = log or (lambda s: print(s, flush=True))
     t0 = time.time()
     out = Path(out_dir)
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     muts = select_ids(load_mutations(catalog), only, "mutation")
     groups: dict[str, list[Mutation]] = {}
     for m in muts:
-        if m.device == "cpu":
+        if m.device == "cpu" or cuda:
             path = suite if (suite and m.suite == Mutation.suite) else str(REPO / m.suite)
             groups.setdefault(path, []).append(m)
     gpu = [{"id": m.id, "kind": "planted", "status": "gpu", "what": m.what, "baseline": m.baseline,
-            "target": m.target, "device": "gpu", "reason": "native kernel: run on the device"}
-           for m in muts if m.device == "gpu"]
+            "target": m.target, "device": "gpu", "reason": "native kernel: run where CUDA is (no CUDA here)"}
+           for m in muts if m.device == "gpu" and not cuda]
     entries: list[dict[str, Any]] = []
 
     def write(group_so_far: list[dict[str, Any]], final: bool = False) -> dict[str, Any]:
@@ -318,7 +324,7 @@ def table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     lines.append(f"mutations: caught {report['caught']}/{report['mutations_run']}"
                  f"{' (missed: ' + ', '.join(report['missed']) + ')' if report['missed'] else ''}, "
-                 f"n/a {len(report['not_applicable'])}, gpu (device run) {len(report['gpu'])}; "
+                 f"n/a {len(report['not_applicable'])}, gpu (not run: no CUDA) {len(report['gpu'])}; "
                  f"false alarms {report['false_alarms']}/{report['nulls']}, errors {report['errors']}: "
                  f"{'PASS' if report['passed'] else 'FAIL'}")
     return "\n".join(lines)
