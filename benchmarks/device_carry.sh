@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
 # (Re)builds the git-ignored folder .carry/ that one device run takes along (device tool: carry [".carry"]):
 #
-#   .carry/whl/          py3.12 wheels of the eval packages the device image lacks (lm-eval and what it
-#                        imports), at exactly the versions installed here; lm-eval repacked with only the
-#                        bundled task folders the harness indexes (lm_eval_folders of
-#                        evalharness/taskdata/datasets.yaml: hellaswag, arc, piqa, winogrande, lambada, gsm8k, mmlu)
+#   .carry/site.tar.xz   the Python packages the device image lacks and a run imports (lm-eval, datasets, dill,
+#                        multiprocess; pydantic and its three), installed here for CPython 3.12 on x86-64 Linux at
+#                        exactly the versions installed here, as one xz tarball of the `site/` folder (xz over the
+#                        installed files is 35% smaller than the wheels); lm-eval with only the bundled task folders
+#                        the harness indexes (lm_eval_folders of evalharness/taskdata/datasets.yaml: hellaswag, arc,
+#                        piqa, winogrande, lambada, gsm8k, mmlu). benchmarks/run_device.sh unpacks it into /tmp/site.
 #   .carry/data.tar.xz   the shared data the device parts read (task files, stories260K, WikiText-2 and
 #                        SimpleBooks-92 test), xz -9; benchmarks/run_device.sh unpacks it into .carry/data
 #
 # Usage (repo root or anywhere):  bash benchmarks/device_carry.sh [DATA_DIR]   (default ../shared/data)
 # Needs pip with access to the package index (sdist-only packages are built into wheels here). Fails, naming
 # the sizes, when the tracked + untracked tree plus .carry/ exceeds the device tool's 64 MiB.
-# `bash benchmarks/device_carry.sh --check` re-runs only the last steps: the size check, then an install of
-# the wheels as the device does (pip --no-index --no-deps --target, into a fresh folder) and an import of
-# lm_eval.evaluator & co. from there. Run it again right before the device call: other files may have grown.
+# `bash benchmarks/device_carry.sh --check` re-runs only the last steps: the size check, then an unpack of the
+# site tarball as the device does and an import of lm_eval.evaluator & co. from there. Run it again right before
+# the device call: other files may have grown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 LIMIT=$((64 * 1024 * 1024))
 PY=${PYTHON:-python3}
 
-# Packages the device image lacks (KINDS.md "Python packages already there"): lm-eval, its declared requirements
-# that are not there, and theirs. Only lm_eval, datasets, dill and multiprocess are imported by a tasks run (checked
-# with sys.modules after a run); the rest are lm-eval's declared requirements, small, carried so its metadata is whole.
-# Not carried: nltk (rouge_score's, for ROUGE metrics, which no harness task uses; 1.5 MB) and pytz (typepy's
-# datetime extra, used by pytablewriter's table output, which the harness never calls).
-PACKAGES=(lm_eval datasets dill multiprocess evaluate sqlitedict word2number rouge_score more_itertools
-          pytablewriter DataProperty mbstrdecoder pathvalidate tabledata tcolorpy typepy chardet)
+# Packages the device image lacks (KINDS.md "Python packages already there") that a run imports: what a tasks run
+# imports from lm-eval's requirements (checked with sys.modules after a run: lm_eval, datasets, dill, multiprocess),
+# and pydantic (evalharness's schemas) with its requirements. lm-eval's other declared requirements are not
+# imported by the harness and are left out (the install is --no-deps).
+PACKAGES=(lm_eval datasets dill multiprocess pydantic pydantic_core annotated_types typing_inspection)
 # Data files the device parts read, relative to the data dir (evalharness/taskdata/datasets.yaml, suites/*.yaml);
 # MMLU's 114 files are added from the data dir below.
 DATA_FILES=(README.md SHA256SUMS
@@ -44,18 +44,17 @@ tree_bytes() {  # bytes of what the device tool sends besides the carry: tracked
     "$PY" -c 'import os, sys; print(sum(os.lstat(p).st_size for p in sys.stdin.read().split("\0") if p and os.path.lexists(p)))'
 }
 
-check() {  # install the wheels into a fresh target and import what a tasks run imports, from there
+check() {  # unpack the site tarball as the device does and import what a run imports, from there
   local target
   target=$(mktemp -d)
-  local as312=()  # here a Python other than the device's 3.12: let pip take multiprocess's py312 wheel anyway
+  tar -C "$target" -xJf .carry/site.tar.xz
+  # pydantic_core is compiled for CPython 3.12: on another Python the local pydantic is imported instead
+  [ -n "$(ls "$target"/site/pydantic_core/_pydantic_core.cpython-312-x86_64-linux-gnu.so 2>/dev/null)" ] ||
+    { echo "device_carry: FAIL: site.tar.xz has no CPython 3.12 pydantic_core" >&2; exit 1; }
   "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' ||
-    as312=(--python-version 3.12 --only-binary=:all: --implementation cp --platform any)
-  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" \
-      "${as312[@]}" .carry/whl/*.whl > "$target.log" 2>&1; then
-    cat "$target.log" >&2; echo "device_carry: FAIL: the wheels do not install with --no-index --no-deps" >&2; exit 1
-  fi
-  rm -f "$target.log"
-  PYTHONPATH="$target:$REPO" "$PY" - "$target" <<'EOF'
+    rm -rf "$target"/site/pydantic "$target"/site/pydantic_core "$target"/site/pydantic-*.dist-info \
+           "$target"/site/pydantic_core-*.dist-info
+  PYTHONPATH="$target/site:$REPO" "$PY" - "$target/site" <<'EOF'
 import sys
 target = sys.argv[1]
 import lm_eval.evaluator, lm_eval.tasks, datasets, dill, multiprocess  # noqa: E401,F401
@@ -73,11 +72,10 @@ EOF
 }
 
 sizes() {  # what travels against the device tool's limit; fails loudly when over
-  local tree carry whl
+  local tree carry
   tree=$(tree_bytes)
   carry=$(du -sb .carry | cut -f1)
-  whl=$(du -cb .carry/whl/*.whl | tail -1 | cut -f1)
-  echo "carry: wheels $((whl / 1024)) KiB ($(ls .carry/whl | wc -l) files), data $(( $(stat -c %s .carry/data.tar.xz) / 1024 ))" \
+  echo "carry: packages $(( $(stat -c %s .carry/site.tar.xz) / 1024 )) KiB, data $(( $(stat -c %s .carry/data.tar.xz) / 1024 ))" \
        "KiB, all of .carry $((carry / 1024)) KiB; tree $((tree / 1024)) KiB; total $(((tree + carry) / 1024)) KiB" \
        "of $((LIMIT / 1024)) KiB"
   if [ $((tree + carry)) -gt $LIMIT ]; then
@@ -92,8 +90,8 @@ if [ "${1:-}" = "--check" ]; then sizes; check; exit 0; fi
 DATA=${1:-../shared/data}
 [ -d "$DATA" ] || { echo "device_carry: data dir $DATA not found (pass the shared data folder)" >&2; exit 2; }
 
-rm -rf .carry/whl .carry/data .carry/data.tar.xz
-mkdir -p .carry/whl
+rm -rf .carry/whl .carry/site.tar.xz .carry/data .carry/data.tar.xz
+mkdir -p .carry
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -128,7 +126,8 @@ EOF
 # 2. lm-eval without the bundled task folders the harness does not index (most of its 78 MB installed): every
 #    module stays, and the folders of evalharness/taskdata/datasets.yaml (lm_eval_folders).
 lmw=$(ls "$work"/dl/lm_eval-*.whl)
-"$PY" - "$lmw" .carry/whl evalharness/taskdata/datasets.yaml <<'EOF'
+mkdir -p "$work/whl"
+"$PY" - "$lmw" "$work/whl" evalharness/taskdata/datasets.yaml <<'EOF'
 import base64, hashlib, os, re, sys, zipfile
 import yaml
 src, dest, registry = sys.argv[1:4]
@@ -152,7 +151,10 @@ with zipfile.ZipFile(src) as zin:
 dropped = len(zin.namelist()) - len(names)
 print(f"lm_eval: {os.path.getsize(src) / 1e6:.1f} MB -> {os.path.getsize(out) / 1e6:.1f} MB ({dropped} task files left out)")
 EOF
-find "$work/dl" -name '*.whl' ! -name 'lm_eval-*' -exec cp {} .carry/whl/ \;
+find "$work/dl" -name '*.whl' ! -name 'lm_eval-*' -exec cp {} "$work/whl/" \;
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" "${platform[@]}" \
+  "$work"/whl/*.whl
+tar -C "$work" -cf - site | xz -9e -T1 > .carry/site.tar.xz
 
 # 3. The data, one xz tarball (paths relative to the data dir).
 mapfile -t mmlu < <(cd "$DATA" && ls tasks/mmlu/dev/*_dev.csv tasks/mmlu/test/*_test.csv)

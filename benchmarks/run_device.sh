@@ -16,7 +16,14 @@ hw() {  # "h200" for one NVIDIA H200, "h200x2" for two; "gpu" when nvidia-smi do
 }
 export OUT=${OUT:-benchmarks/results/$(hw)-$(date -u +%F)}
 mkdir -p "$OUT"
+site_packages() {  # the carried packages (benchmarks/device_carry.sh) unpacked into /tmp/site (lm-eval and
+  # its datasets for the evals, pydantic for evalharness itself), once per machine
+  [ -d /tmp/site ] && return 0
+  python3 -c "import tarfile; tarfile.open('.carry/site.tar.xz').extractall('/tmp', filter='data')" ||
+    { echo "site: unpacking .carry/site.tar.xz failed (build it with benchmarks/device_carry.sh)"; return 1; }
+}
 export PYTHONPATH=$PWD
+if [ -f .carry/site.tar.xz ]; then site_packages && export PYTHONPATH=/tmp/site:$PWD; fi
 parts=${*:-tests bench e2e suites}
 if [ -f .carry/data.tar.xz ]; then  # python's tarfile: no dependence on an xz binary there
   python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('.carry/data', filter='data')" ||
@@ -80,17 +87,10 @@ for part in $parts; do
       run bench_capture 150 python benchmarks/bench_capture.py --data-dir .carry/data ;;
     tasks)  # lm-eval tasks, long context, per-layer error, PPL/KLD (suites/evals.yaml) with the carried wheels.
       # EVALS_EXTRA: more --set options, appended; EVALS_TIMEOUT: seconds (default 420). A CPU dry run of this
-      # part (Python 3.11 there: pip is told to take multiprocess's py312 wheel all the same):
+      # part in an environment with lm-eval installed (no .carry/site.tar.xz):
       #   EVALS_EXTRA="--set backend=cpu-emulated --set evals.tasks.limit=2 ..." OUT=/tmp/x bash benchmarks/run_device.sh tasks
-      as312=()
-      python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' ||
-        as312=(--python-version 3.12 --only-binary=:all: --implementation cp --platform any)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "${as312[@]}" .carry/whl/*.whl > "$OUT/evals_pip.log" 2>&1 ||
-        echo "tasks: pip install of .carry/whl failed (evals_pip.log)"
       read -ra extra <<< "${EVALS_EXTRA:-}"
       (
-        export PYTHONPATH=/tmp/site:$PWD
         python -c "import importlib.metadata as m, lm_eval; print(lm_eval.__file__, {p: m.version(p) for p in ('lm_eval',
           'datasets', 'pyarrow', 'fsspec', 'huggingface_hub', 'pandas', 'transformers', 'tokenizers', 'torch')})" \
           >> "$OUT/evals_pip.log" 2>&1
@@ -102,22 +102,16 @@ for part in $parts; do
       # back as one archive, $OUT/nightly_results.tgz (the device tool returns few files; the reference cache is left
       # out: it is recomputed once per model); put it at .carry/nightly_partial.tgz and the next call continues
       # from it (--resume). NIGHTLY_TIMEOUT: seconds for the run itself.
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .carry/whl/*.whl > "$OUT/nightly_pip.log" 2>&1 || echo "nightly: pip install of .carry/whl failed"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
       (
-        export PYTHONPATH=/tmp/site:$PWD
         run nightly "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run suites/nightly.yaml --device cuda --resume \
           --no-tracking --out "$OUT/nightly"
         python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
       )
       tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
     harness)  # benchmarks/bench_harness.py: the nightly's evaluations on a Llama-3-8B-shaped checkpoint (HARNESS_ARGS)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .carry/whl/*.whl > "$OUT/harness_pip.log" 2>&1 || echo "harness: pip install of .carry/whl failed"
       read -ra hargs <<< "${HARNESS_ARGS:-}"
       (
-        export PYTHONPATH=/tmp/site:$PWD
         run bench_harness "${HARNESS_TIMEOUT:-570}" python benchmarks/bench_harness.py --data-dir .carry/data \
           --work /tmp/bench_harness "${hargs[@]}"
       ) ;;
