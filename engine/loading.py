@@ -36,7 +36,9 @@ HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 SOURCE_KINDS = ("builtin", "llama2c", "hf_dir", "hf_id")
-SOURCE_GRAMMAR = "builtin:NAME, llama2c:FILE (or a *.bin file), an HF model folder or an HF hub id (org/name)"
+SOURCE_GRAMMAR = ("builtin:NAME, llama2c:FILE (or a *.bin file), an HF model folder or an HF hub id (org/name), "
+                  "outliers:<an HF model folder or hub id>")
+OUTLIERS = "outliers:"  # the model with real-LLM activation structure planted (engine.outliers.add_outliers)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9_+.\-]+):")
 
 
@@ -47,13 +49,15 @@ class ModelSource:
     kind: `builtin` (a model folder shipped with the harness), `llama2c` (a llama2.c checkpoint file), `hf_dir`
     (an HF model folder, or a path that does not exist: the loader then says so) or `hf_id` (a hub id, from the
     local HF cache). path: the folder, file or hub id (for `builtin`, its folder when the folder of built-ins was
-    given, else its NAME). text: the source as written. name: a `builtin`'s NAME.
+    given, else its NAME). text: the source as written. name: a `builtin`'s NAME. transform: `outliers` when the
+    text is `outliers:<HF folder or hub id>`: the loader applies `engine.outliers.add_outliers` to the weights.
     """
 
     kind: str
     path: str
     text: str
     name: str = ""
+    transform: str = ""
 
     def __str__(self) -> str:
         """What the loader reports as the model's source: the built-in's folder, else the text as written."""
@@ -65,15 +69,16 @@ class ModelSource:
         hub id's last part."""
         if self.kind == "builtin":
             return self.name
-        return Path(self.path.rstrip("/")).name.removesuffix(".bin") if self.kind == "llama2c" else \
-            Path(self.path.rstrip("/")).name
+        if self.kind == "llama2c":
+            return Path(self.path.rstrip("/")).name.removesuffix(".bin")
+        return Path(self.path.rstrip("/")).name + ("-outliers" if self.transform else "")
 
     def with_path(self, path: str) -> "ModelSource":
         """The same kind of source at another path (a resolved relative path); the text keeps the kind's prefix."""
         if self.kind == "builtin":
             return self
         text = f"llama2c:{path}" if self.text.startswith("llama2c:") else path
-        return dataclasses.replace(self, path=path, text=text)
+        return dataclasses.replace(self, path=path, text=OUTLIERS + text if self.transform else text)
 
 
 def parse_source(text: "str | ModelSource", builtin_dir: Path | None = None) -> ModelSource:
@@ -97,6 +102,12 @@ def parse_source(text: "str | ModelSource", builtin_dir: Path | None = None) -> 
                 else []
             raise WeightsError(f"model source {text!r}: unknown built-in '{name}'; available: {avail}")
         return ModelSource("builtin", str(folder), text, name)
+    if text.startswith(OUTLIERS):
+        inner = parse_source(text.removeprefix(OUTLIERS), builtin_dir)
+        if inner.kind not in ("hf_dir", "hf_id") or inner.transform:
+            raise WeightsError(f"model source {text!r}: outliers: takes an HF model folder or hub id "
+                               f"(outliers:zoo/zoo-llama), not a {inner.kind} source")
+        return dataclasses.replace(inner, text=text, transform="outliers")
     if text.startswith("llama2c:"):
         path = text.removeprefix("llama2c:")
         if not path:
@@ -343,7 +354,17 @@ def checkpoint_sha256(source: "str | ModelSource") -> str:
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise WeightsError(f"{missing[0]}: checkpoint file not found")
-    return _hash_files(files)
+    return _transformed_sha(_hash_files(files), resolved_source(source))
+
+
+def _transformed_sha(sha: str, src: ModelSource) -> str:
+    """The checkpoint's sha256, or for an `outliers:` source the sha256 of it and the plan's tag (the transformed
+    model is another model: its reference outputs are cached apart)."""
+    if not src.transform:
+        return sha
+    from engine.outliers import DEFAULT_PLAN
+
+    return hashlib.sha256(f"{sha}:{src.transform}:{DEFAULT_PLAN.tag()}".encode()).hexdigest()
 
 
 def read_hf_config(directory: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
@@ -361,7 +382,7 @@ def read_hf_config(directory: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
 
 def load_model(source: "str | ModelSource") -> LoadedModel:
     """Load a model from a source (`parse_source`): an HF directory / hub id, a llama2.c checkpoint, a resolved
-    built-in."""
+    built-in; an `outliers:` source with `engine.outliers.add_outliers` applied to the weights."""
     src = resolved_source(source)
     source = str(src)
     if src.kind == "llama2c":
@@ -376,4 +397,9 @@ def load_model(source: "str | ModelSource") -> LoadedModel:
         raise WeightsError(f"{directory}: expected a model directory (config.json + *.safetensors)")
     cfg_path, hf_config, cfg = read_hf_config(directory)
     weights, files = _read_safetensors(directory, cfg)
-    return LoadedModel(cfg, hf_config, weights, source, str(directory), _hash_files([cfg_path, *files]))
+    if src.transform:
+        from engine.outliers import add_outliers
+
+        weights = add_outliers(cfg, weights, where=source)
+    return LoadedModel(cfg, hf_config, weights, source, str(directory),
+                       _transformed_sha(_hash_files([cfg_path, *files]), src))

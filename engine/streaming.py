@@ -110,6 +110,10 @@ class LayerStore:
         from engine.loading import _shard_files, read_hf_config, resolve_model_dir, resolved_source
 
         src = resolved_source(source)
+        if src.transform:
+            raise WeightsError(f"model source '{src.text}': a transformed model ({src.transform}:) is built from the "
+                               "whole checkpoint when loaded; layer streaming reads the files as they are: run it "
+                               "resident (execution: resident)")
         if src.kind == "llama2c":
             from engine.llama2c import read_llama2c
 

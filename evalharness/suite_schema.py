@@ -21,7 +21,8 @@ from evalharness.schema import CUSTOM, Schema, messages
 ATTN_BLOCKS = (64, 128, 256)
 REFERENCE_DEVICES = ("auto", "cpu", "cuda")  # auto: the engine's device (docs/guide/models-and-data.md, "Memory")
 EXECUTIONS = ("auto", "resident", "streamed")  # evalharness.memory_plan
-SOURCES = "a model source: an HF model folder, an HF hub id (org/name), llama2c:FILE or builtin:NAME"
+SOURCES = ("a model source: an HF model folder, an HF hub id (org/name), llama2c:FILE, builtin:NAME or "
+           "outliers:<HF folder or hub id>")
 
 Pos = Annotated[StrictInt, Field(gt=0)]
 Name = Union[StrictStr, StrictInt]
