@@ -47,6 +47,7 @@ def legacy_numerics(recipe, **kernel_options):
     from engine.backends.native import NativeNumerics
 
     nx = NativeNumerics(recipe, **kernel_options)
-    nx._gemm_k = types.SimpleNamespace(**{n: getattr(gemm, n) for n in gemm.__all__},
-                                       fp8_block_linear=_legacy_fp8_block_linear)
+    kernels = {n: getattr(gemm, n) for n in gemm.__all__}
+    kernels["fp8_block_linear"] = _legacy_fp8_block_linear
+    nx._gemm_k = types.SimpleNamespace(**kernels)
     return nx
