@@ -33,6 +33,7 @@ def test_plan_factors_are_powers_of_two():
     assert OutlierPlan().tag() != OutlierPlan(seed=1).tag()
 
 
+@pytest.mark.slow  # 3-10 s each on a 2-core machine (transformers' import, two loads, two references)
 @pytest.mark.parametrize("model", ["zoo-llama", "zoo-moe"])
 def test_same_function_in_fp32(model):
     """Reference and engine (fp32 recipe) logits of the variant equal the original's; weights did change."""
