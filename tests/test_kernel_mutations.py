@@ -155,7 +155,7 @@ _CALLERS = {
     "gpu-mx-e8m0-off-by-one": [("engine.kernels.gemm_mx:_mx_gemm_kernel",
                                 {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "cnt_ptr": "*i32"},
                                 dict(BM=16, BN=64, X_SCALED=True, W_FP4=False, W_SB=32, W_E8M0=True, HAS_TS=False,
-                                     USE_PART=False, HAS_BIAS=False, SCALE_BITS=True, ROW_SCALES=True,
+                                     USE_PART=False, HAS_BIAS=False, ROW_SCALES=True,
                                      FP4_PTX=False, FUSED_REDUCE=False, RED=1))],
     "gpu-paged-decode-page-off-by-one": [
         ("engine.kernels.paged_kv:_paged_decode_kernel",

@@ -111,33 +111,29 @@ def _scale_tile(rows, blk0, limit, ok, NB: tl.constexpr):
 
 
 @triton.jit
-def _spread_scales(t, SB: tl.constexpr, KIND: tl.constexpr, SCALE_BITS: tl.constexpr, DT: tl.constexpr):
+def _spread_scales(t, SB: tl.constexpr, KIND: tl.constexpr, DT: tl.constexpr):
     """A (R, NB) tile of `_scale_tile` as (R, NB * SB) values in DT, each scale repeated over its SB columns. KIND 0:
-    fp32 values; 1: E8M0 codes; 2: E4M3 scales, decoded by `_e4m3_to_f32` when SCALE_BITS, else by the FP8 cast.
+    fp32 values; 1: E8M0 codes; 2: E4M3 scales, decoded by bit arithmetic (`_e4m3_to_f32`).
     Exact in bf16: powers of two and E4M3 values are bf16 numbers."""
     if KIND == 0:
         v = t
     elif KIND == 1:
         v = _e8m0_to_f32(t.to(tl.int32))
-    elif SCALE_BITS:
-        v = _e4m3_to_f32(t.to(tl.uint8, bitcast=True).to(tl.int32))
     else:
-        v = t.to(tl.float32)
+        v = _e4m3_to_f32(t.to(tl.uint8, bitcast=True).to(tl.int32))
     v = v.to(DT)
     return tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], SB)), (v.shape[0], v.shape[1] * SB))
 
 
 @triton.jit
-def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr, SCALE_BITS: tl.constexpr):
+def _mx_weight_deq(wv, ws_rows, kk, n_ok, W_SB: tl.constexpr, W_E8M0: tl.constexpr):
     """Weight elements wv (BN, 64) fp32 times their block scales (gathered per column), as bf16. E4M3 scales (NVFP4)
-    convert by `_e4m3_to_f32` when SCALE_BITS, else by the FP8 cast."""
+    decode by bit arithmetic (`_e4m3_to_f32`)."""
     s = tl.load(ws_rows + (kk // W_SB)[None, :], mask=n_ok[:, None], other=0.0)
     if W_E8M0:
         sf = _e8m0_to_f32(s.to(tl.int32))
-    elif SCALE_BITS:
-        sf = _e4m3_to_f32(s.to(tl.uint8, bitcast=True).to(tl.int32))
     else:
-        sf = s.to(tl.float32)
+        sf = _e4m3_to_f32(s.to(tl.uint8, bitcast=True).to(tl.int32))
     return (wv * sf).to(tl.bfloat16)
 
 
@@ -169,17 +165,17 @@ def _chunk_scales(ws_n, xs_m, c, n_chunks, K, n_ok, m_ok, NBW: tl.constexpr, X_S
 
 @triton.jit
 def _mx_half(acc, w_vals, w_sc, x_sc, x_rows, k0, h, m_ok, K, W_SB: tl.constexpr, W_KIND: tl.constexpr,
-             X_SCALED: tl.constexpr, SCALE_BITS: tl.constexpr):
+             X_SCALED: tl.constexpr):
     """acc += (w_vals * weight scales) @ (x * x scales)^T over the 64 columns k0 + h (k0 a multiple of 64; w_sc, x_sc
     their `_scale_tile`s). Both products are exact in bf16 (E2M1 / E4M3 / E5M2 times a power of two or an E4M3 scale;
     MX fp8 times a power of two), so w_vals in bf16 (multiplied in bf16) or fp32 (in fp32, then rounded) give the same
     operand bits."""
-    w = (w_vals * _spread_scales(w_sc, W_SB, W_KIND, SCALE_BITS, w_vals.dtype)).to(tl.bfloat16)
+    w = (w_vals * _spread_scales(w_sc, W_SB, W_KIND, w_vals.dtype)).to(tl.bfloat16)
     kk = k0 + h
     ok = m_ok[:, None] & (kk < K)[None, :]
     xv = tl.load(x_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
     if X_SCALED:
-        xv = xv * _spread_scales(x_sc, 32, 0, SCALE_BITS, tl.float32)
+        xv = xv * _spread_scales(x_sc, 32, 0, tl.float32)
     return tl.dot(w, tl.trans(xv.to(tl.bfloat16)), acc)
 
 
@@ -188,7 +184,7 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
                     M, N, K, n_chunks, chunks_per_split, stride_xm, stride_xsm, stride_wn, stride_wsn,
                     BM: tl.constexpr, BN: tl.constexpr, X_SCALED: tl.constexpr, W_FP4: tl.constexpr,
                     W_SB: tl.constexpr, W_E8M0: tl.constexpr, HAS_TS: tl.constexpr,
-                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BITS: tl.constexpr = True,
+                    USE_PART: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ROW_SCALES: tl.constexpr = True, FP4_PTX: tl.constexpr = False,
                     FUSED_REDUCE: tl.constexpr = False, RED: tl.constexpr = 4):
     """Grid (N tiles, M tiles, K splits). Per 128-column chunk: the weight's two 64-column halves
@@ -235,9 +231,8 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
             else:
                 wl = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
                 wh = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            acc = _mx_half(acc, wl, ws_lo, xs_lo, x_rows, c * 128, h, m_ok, K, W_SB, W_KIND, X_SCALED, SCALE_BITS)
-            acc = _mx_half(acc, wh, ws_hi, xs_hi, x_rows, c * 128 + 64, h, m_ok, K, W_SB, W_KIND, X_SCALED,
-                           SCALE_BITS)
+            acc = _mx_half(acc, wl, ws_lo, xs_lo, x_rows, c * 128, h, m_ok, K, W_SB, W_KIND, X_SCALED)
+            acc = _mx_half(acc, wh, ws_hi, xs_hi, x_rows, c * 128 + 64, h, m_ok, K, W_SB, W_KIND, X_SCALED)
             ws_lo, ws_hi, xs_lo, xs_hi = ws_lo_n, ws_hi_n, xs_lo_n, xs_hi_n
         else:
             if W_FP4:
@@ -247,17 +242,15 @@ def _mx_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, ts_ptr, out_ptr, part_ptr, bia
             else:
                 w_lo = tl.load(w_rows + k_lo[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
                 w_hi = tl.load(w_rows + k_hi[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0, SCALE_BITS)
+            w_lo = _mx_weight_deq(w_lo, ws_rows, k_lo, n_ok, W_SB, W_E8M0)
             acc = tl.dot(w_lo, tl.trans(_mx_act(x_rows, xs_rows, k_lo, m_ok, K, X_SCALED)), acc)
-            w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0, SCALE_BITS)
+            w_hi = _mx_weight_deq(w_hi, ws_rows, k_hi, n_ok, W_SB, W_E8M0)
             acc = tl.dot(w_hi, tl.trans(_mx_act(x_rows, xs_rows, k_hi, m_ok, K, X_SCALED)), acc)
     _epilogue(acc, offs_n, offs_m, pid_s, M, N, out_ptr, part_ptr, bias_ptr, ts_ptr,
               USE_PART, HAS_BIAS, HAS_TS)
     if USE_PART and FUSED_REDUCE:
         _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, tl.num_programs(2), part_ptr, out_ptr, bias_ptr, ts_ptr,
                            cnt_ptr, BN, BM, HAS_BIAS, HAS_TS, False, RED)
-# NVFP4's E4M3 block scales decoded by bit arithmetic (`_e4m3_to_f32`) instead of the FP8 cast (same values).
-MX_SCALE_BITS = True
 # The backend's `KernelOptions` pick two variants of `_mx_gemm_kernel` (same bits): `mx_row_scales` loads each row's
 # block scales as one tile per 64 columns, a chunk ahead, and decodes E2M1 by shifts and one multiply (`_chunk_scales`,
 # `_spread_scales`, `_e2m1_nibble_to_f32`) instead of one gathered scale load per element and `_e2m1_to_f32`;
@@ -432,7 +425,7 @@ def mx_linear(x: Any, w: Any, x_scale: Optional[torch.Tensor] = None, bias: Opti
         m, n, k, n_chunks, per,
         x2.stride(0), xs.stride(0) if xs is not None else 0, w.data.stride(0), w.scale.stride(0),
         BM=bm, BN=bn, X_SCALED=xs is not None, W_FP4=w.is_fp4, W_SB=w.block, W_E8M0=w.kind != "nvfp4",
-        HAS_TS=ts is not None, USE_PART=splits > 1, HAS_BIAS=bias is not None, SCALE_BITS=MX_SCALE_BITS,
+        HAS_TS=ts is not None, USE_PART=splits > 1, HAS_BIAS=bias is not None,
         ROW_SCALES=options.mx_row_scales,
         FP4_PTX=options.mx_fp4_ptx and x2.is_cuda and torch.version.hip is None,
         FUSED_REDUCE=fused,

@@ -98,7 +98,7 @@ def mx_loop(kind: str, **overrides) -> list[str]:
 
     consts = dict(BM=16, BN=64, X_SCALED=kind == "mxfp8", W_FP4=kind != "mxfp8", W_SB=16 if kind == "nvfp4" else 32,
                   W_E8M0=kind != "nvfp4", HAS_TS=kind == "nvfp4", USE_PART=True, HAS_BIAS=False,
-                  SCALE_BITS=GM.MX_SCALE_BITS, ROW_SCALES=DEFAULT_OPTIONS.mx_row_scales,
+                  ROW_SCALES=DEFAULT_OPTIONS.mx_row_scales,
                   FP4_PTX=DEFAULT_OPTIONS.mx_fp4_ptx,
                   FUSED_REDUCE=DEFAULT_POLICY.fused_reduce)
     consts.update(overrides)
