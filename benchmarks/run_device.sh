@@ -3,7 +3,7 @@
 # Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
 # carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
 #   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [nightly] [harness]
-#                                                 [parallel] [pack]
+#                                                 [mutations] [parallel] [pack]
 # Each part writes its log under $OUT; a failing part never stops the next one. Without OUT the files go to
 # benchmarks/results/<hw>-<date>/ (e.g. h200-2026-11-30, h200x2-2026-11-29), the layout of benchmarks/results/:
 # copy what a run measured there, with a README.md naming the command of each file.
@@ -109,6 +109,10 @@ for part in $parts; do
         python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
       )
       tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
+    mutations)  # the native-kernel mutations of suites/selftest/mutations.yaml (device: gpu) with their nulls
+      run mutations_gpu 560 python -m evalharness.cli selftest --mutations --out "$OUT/mutations-gpu" \
+        --only gpu-quant-rtz,gpu-attn-split-k-dropped,gpu-gemm-scale-layout-k128-mod4,gpu-mx-e8m0-off-by-one,gpu-paged-decode-page-off-by-one,gpu-cuda-graph-stale-buffer
+      run kernel_mutation_tests 120 python -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_kernel_mutations.py ;;
     harness)  # benchmarks/bench_harness.py: the nightly's evaluations on a Llama-3-8B-shaped checkpoint (HARNESS_ARGS)
       read -ra hargs <<< "${HARNESS_ARGS:-}"
       (
