@@ -90,8 +90,7 @@ def _store_e4m3(o, scale, mask, data_off, out_ptr):
 
     Masked-out elements divide 1.0, not their value (they are not stored): the division's fast path hands a
     zero dividend to its slow path, and a decode tile's padding rows (12 of 16 for 4 query heads per KV head)
-    are zeros -- a single-row tile of zeros took 2.5 us longer to quantize on the H200
-    (2026-11-29)."""
+    are zeros (docs/design/performance.md#quantization-kernels)."""
     y = tl.div_rn(tl.where(mask, o, 1.0), scale)
     tl.store(out_ptr + data_off, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
 

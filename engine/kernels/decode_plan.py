@@ -330,7 +330,7 @@ def wgmma_plan(m: int, n: int, k: int, sms: int,
     """(K splits, groups per stage, stages or None for `gemm_wgmma.swap_stages`' default) of the swapped wgmma kernel
     for an M x N x K decode call on `sms` SMs, by the policy's wgmma rule; None where it has no plan (M outside 2-32,
     or no configuration fits). Memoized per activation-row class (8 / 16 / 32 rows) and rule constants: a call costs
-    a dict lookup, not the ~25 us of planning."""
+    a dict lookup instead of a replan (docs/design/performance.md#decode-gemms-m--64)."""
     rows = gw.x_rows(m, True)
     if m < 2 or rows > 32:
         return None

@@ -115,7 +115,7 @@ def _fp8_sliced_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     are discarded), each diagonal block scaled by its own group's scales as `_scaled_steps` does. At the end the S
     partials are summed in slice order from zero in registers: the fp32 operations of the split-K kernel with
     S splits and its fused reduce, so its bits, without the partials' round trip through memory and the arrival
-    handshake after the last step (H200, 2026-11-29: ~1.3 us per call at 4096x14336)."""
+    handshake after the last step (its cost: docs/design/performance.md#decode-gemms-m--64)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -140,7 +140,7 @@ def _fp8_sliced_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, bias_ptr, M, 
     ws_next = tl.load(ws_rows, mask=g_r < end_r, other=0.0)
     xs_next = tl.load(xs_rows, mask=m_ok & (g_c < end_c), other=0.0)
     acc = tl.zeros((S * R, S * BM), dtype=tl.float32)
-    for i in range(0, groups_per_slice):  # scales a step ahead, as `_scaled_steps` (two ahead: 20.4 -> 25-31 us)
+    for i in range(0, groups_per_slice):  # scales one step ahead, as `_scaled_steps` (two is slower)
         ws = ws_next
         xs = xs_next
         ws_next = tl.load(ws_rows + (i + 1) * stride_wsg, mask=g_r + i + 1 < end_r, other=0.0)
@@ -210,8 +210,9 @@ def _launch_gemv(x: torch.Tensor, xs: torch.Tensor, xs_strides: tuple[int, int],
                  ws: torch.Tensor, ws_strides: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
                  round_bf16: bool, block_n: int = 8, groups: int = 8, num_stages: int = 3, num_warps: int = 4,
                  pdl: bool = True) -> None:
-    """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults from the
-    H200 sweep (2026-11-29): 8 rows x 8 groups per step. `pdl`: `KernelOptions.pdl` (every launcher here)."""
+    """The M = 1 CUDA-core kernel (`_fp8_gemv_kernel`) on x (1, K), w (N, K) into out (1, N). Defaults for shapes
+    without a GEMV entry: 8 rows x 8 groups per step (docs/design/performance.md#decode-gemms-m--64). `pdl`:
+    `KernelOptions.pdl` (every launcher here)."""
     n, k = w.shape
     gk = min(groups, triton.next_power_of_2(_cdiv(k, GROUP)))
     _fp8_gemv_kernel[(_cdiv(n, block_n),)](

@@ -27,8 +27,8 @@ The loop:
 
 Numerics: each group's FP8 dot (K = 128, fp32 result) times its scale is added to the fp32 accumulator in group order,
 and split partials are summed in split order from zero: on the H200 the output is bit-identical to the split-K Triton
-kernel with 64-row tiles and the same K partition, in both orientations (80 of 80 configs checked on the H200,
-2026-11-30).
+kernel with 64-row tiles and the same K partition, in both orientations (tests/engine/kernels/gemm/test_wgmma.py;
+its H200 run: benchmarks/results/h200-2026-11-30/gpu_tests_gemm_wgmma.log).
 
 Which calls take it is `engine.kernels.decode_plan`'s decision (the device's decode entries; `wgmma_plan` at M 2-32,
 whole K at M 33-64 on sm_90); the measurements behind that rule are in docs/design/performance.md (Decode GEMMs),
@@ -279,11 +279,10 @@ def _fp8_rows_gemm_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, bias_ptr, par
 SMEM_BYTES = 232448  # H100 / H200 shared memory per block (opt-in maximum)
 GPS = 2  # 128-groups per pipeline stage (one barrier, one refill per stage), unless the call says 4
 BLOCK_N = 64  # weight rows per program, unless the call says
-# Pipeline stages by weight rows per program (GPS = 2), unless the call says. H200, 4096x14336 at M = 4 / 16, one
-# call: 64 rows x 2 groups x 6 stages was the fastest config, 39.4 / 34.3 us; 32 rows x 2 x 8: 43.0 / 37.5
-# (2026-11-30).
+# Pipeline stages by weight rows per program (GPS = 2), unless the call says; the fastest per row count
+# (docs/design/performance.md#decode-gemms-m--64).
 DEFAULT_STAGES = {16: 8, 32: 8, 64: 6}
-# With 4 groups per stage: 64 x 4 x 3 (38.2 / 35.6 us) and 32 x 4 x 4 (44.1 / 38.0 us), same file.
+# The same with 4 groups per stage.
 DEFAULT_STAGES_GPS4 = {16: 4, 32: 4, 64: 3}
 
 
@@ -295,10 +294,8 @@ def default_stages(block_n: int, gps: int = GPS) -> int:
 # Pipeline stages of the swapped kernel (activation rows on the wgmma's N side) when the call does not say: as many as
 # keep a program's shared memory (tile ring and scale table) within SWAP_SMEM_BYTES, so that two programs fit on one
 # SM (228 KB, 1 KB reserved per program: the next program, or under PDL the next kernel's, starts while one streams),
-# and no more than the split has stages of groups. H200, CUDA graph over weight copies (2026-11-30): programs of 91-112 KB were the fastest or within 2% of it on
-# 28672x4096, 4096x14336, 7168x16384 and 6144x4096 at M = 4 / 8; at M = 16 (16-row activation tiles) the 122 KB
-# programs of 6 stages lost 10-20% where a program shares its SM (28672x4096: 33.5 vs 29.3 us with 5 stages), and won
-# only where every program has an SM to itself.
+# and no more than the split has stages of groups (docs/design/performance.md#decode-gemms-m--64;
+# benchmarks/results/h200-2026-11-30/probe_wgmma_sweep.txt).
 SWAP_SMEM_BYTES = 112 * 1024
 
 

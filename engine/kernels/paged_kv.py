@@ -406,20 +406,15 @@ def _decode_rows(q: torch.Tensor, cache: PagedKVCache, seq_lens, seq_ids, q_pos)
 # Tiles per split at or below which FP8 pages take the short-context tiles (`decode_tiles`).
 SHORT_TILES = 4
 # ... as long as their grid holds at most this many of those 4-warp programs per SM; a larger grid keeps 2 warps
-# (with the short walk's 3 stages). H200, 140-token contexts, per launch in a CUDA graph: batch 64 (512 programs,
-# one split) 16.3 us with 2 warps against 22.3 with 4; batch 8 x 3 splits (192 programs) and batch 1 favour 4 warps
-# (2026-11-29).
+# (with the short walk's 3 stages). Evidence: docs/design/performance.md#fp8-paged-decode-attention.
 SHORT_MAX_PROGRAMS_PER_SM = 2
 
 
 def decode_tiles(cache: PagedKVCache, tiles_per_split: Optional[int] = None) -> tuple[int, int]:
     """Default (num_warps, num_stages) of the paged decode kernel for this cache, given how many block_n tiles a
-    split walks (None: many). FP8 pages (dimension-major V): 2 warps, 5 stages for long walks; the H200 sweeps
-    (2026-11-29, batch 8 x 32K) have 3.29 TB/s with 8 splits
-    against 2.43 for 4 warps, 2.93 for 2 warps x 4 stages and about 3.0-3.2 for 1 warp. A split of at most
-    SHORT_TILES tiles is latency-bound and gets 4 warps, 3 stages (140-token contexts of 192-token capacity, per
-    launch in a CUDA graph: batch 1, 3 splits 6.03 vs 7.15 us; batch 8, 3 splits 8.36 vs 8.82 us; one split
-    9.84 vs 12.41 us). Other caches keep 4 warps, 5 stages (bf16 8 x 32K: 3.94 TB/s against 3.36 for 2 warps)."""
+    split walks (None: many). FP8 pages (dimension-major V): 2 warps, 5 stages for long walks; a split of at most
+    SHORT_TILES tiles is latency-bound and gets 4 warps, 3 stages. Other caches keep 4 warps, 5 stages. Evidence:
+    docs/design/performance.md#fp8-paged-decode-attention."""
     if not cache.fp8:
         return (4, 5)
     return (4, 3) if tiles_per_split is not None and tiles_per_split <= SHORT_TILES else (2, 5)
@@ -450,12 +445,9 @@ def decode_splits(sms: int, batch: int, kv_heads: int, context: int, block_n: in
                   cap: int = 128, num_warps: int = 4) -> int:
     """Default split count of the paged decode kernel: about 8 warps' worth of programs per SM (2 programs of
     4 warps, 4 of 2) over batch x kv_heads x row_blocks, rounded down (a ceiling spills a few programs into
-    another wave), at most one split per block_n tile of `context`, at most `cap`. H200 sweeps: 4 warps,
-    batch 8 x 8 KV heads: 4 splits 1.92 TB/s vs 1.90 for 8 and 1.74 for 48
-    (2026-11-29); 2 warps (FP8 pages): 8 splits 3.29
-    TB/s, 16 3.19, 4 2.68 (2026-11-29). A short context
-    gets several one-tile splits instead of one serial program per KV head (batch 1 x 136 tokens: 3 splits
-    5.9 us vs 1 split 9.5 us per launch, 2026-11-29)."""
+    another wave), at most one split per block_n tile of `context`, at most `cap`. A short context gets several
+    one-tile splits instead of one serial program per KV head. Evidence:
+    docs/design/performance.md#fp8-paged-decode-attention."""
     per_sm = max(1, 8 // max(1, num_warps))
     return max(1, min((per_sm * sms) // max(1, batch * kv_heads * row_blocks), triton.cdiv(context, block_n), cap))
 
@@ -483,7 +475,7 @@ def paged_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, seq
     (registers per thread);
     qk_fp16 (default: on for an FP8 cache with bf16 / FP8 q), fold_v_scale (default: on for an FP8
     cache with one V scale per token, head_dim_v <= 128) and pv_fp16 (default: on with fold_v_scale;
-    H200, 8 x 32K: 1.86 -> 1.94 TB/s, 2026-11-29), all ignored where
+    docs/design/performance.md#fp8-paged-decode-attention), all ignored where
     they do not apply; direct (default: on when num_splits == 1): the split writes the output itself, no
     reduce launch (same bits).
 

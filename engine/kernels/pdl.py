@@ -1,9 +1,9 @@
 """Programmatic dependent launch (PDL) for the decode step's kernels (sm_90 and newer).
 
 A decode step is a few hundred small dependent launches replayed from a CUDA graph. Between two of
-them the GPU idles while the next grid launches and ramps up (about 1 us each on the H200: some
-0.4 ms of a 3.5 ms Llama-3-8B step), and the latency-bound kernels between the GEMMs (norms, RoPE,
-cache write, attention: a few programs each) leave the HBM idle for microseconds at a time.
+them the GPU idles while the next grid launches and ramps up
+(docs/design/performance.md#a-single-decode-call-has-a-fixed-cost), and the latency-bound kernels between the
+GEMMs (norms, RoPE, cache write, attention: a few programs each) leave the HBM idle for microseconds at a time.
 
 With PDL a kernel is launched with the attribute `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
 SERIALIZATION` (Triton's `launch_pdl=True`). Its programs may start once every program of the

@@ -132,9 +132,9 @@ def _store_f32(ptr, v, mask):
     """Masked fp32 store of v (any shape) from v's own register layout. CUDA only (inline PTX st.global.f32).
 
     A tl.store of a reduction's result (a slice layout) makes Triton convert it to a store layout through
-    shared memory, with two CTA barriers: in the persistent RMSNorm kernel that was 2 of the row loop's 5
-    barriers, and the warps' wait at them was the kernel's largest stall (H200 ncu, 2026-11-29). Threads that hold the same element store the same value to the same
-    address (one transaction per warp)."""
+    shared memory, with two CTA barriers; the quant kernels store their scales with this instead
+    (docs/design/performance.md#quantization-kernels). Threads that hold the same element store the same value
+    to the same address (one transaction per warp)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
                               "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), v, mask.to(tl.int32)], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -360,7 +360,7 @@ def _requant_rows(w_ptr, x_ptr, rout_ptr, out_ptr, scale_ptr, cols, cmask, M, K,
     stored residual with HAS_RES) with the same code on the same tile, so to the same bits, and the row is
     normed and re-quantized by `_quant_groups` (IEEE for a group tile with a group outside the fast domain,
     else the fast path's own bits again) 8 groups at a time: few registers live, so this rare path does not
-    raise the kernel's register count (H200: 141 registers with whole-row tiles here, one program per SM)."""
+    raise the kernel's register count (docs/design/performance.md#quantization-kernels)."""
     tl.debug_barrier()
     src = rout_ptr if HAS_RES else x_ptr
     gc = tl.arange(0, 8)
@@ -434,9 +434,8 @@ def _pow2_knob(name: str, v: int, hi: int) -> int:
 
 def _default_bm(bm: int, rows: int) -> int:
     """The default rows per program, capped at the call's rows rounded up to a power of two: a decode step's
-    single row in a 16- or 32-row tile wastes the masked rows' work (H200: SwiGLU+quant of 1 x 14336 3.9 us at
-    16 rows per program, 1.4 us at 1; 2026-11-29). Tilings
-    never change act_quant / SwiGLU bits."""
+    single row in a 16- or 32-row tile wastes the masked rows' work (docs/design/performance.md#quantization-kernels).
+    Tilings never change act_quant / SwiGLU bits."""
     return min(bm, triton.next_power_of_2(max(rows, 1)))
 
 
@@ -469,14 +468,14 @@ def _outputs(x: torch.Tensor, rows: int, k: int, groups: int, return_hp: bool, m
     return out, scales, hp
 
 
-# Tiling defaults (H200, 16384 x 7168 bf16): act_quant (32, 1, 4) measured 3.16 TB/s; SwiGLU bm 16 w4
-# 2.88 TB/s with the IEEE silu division. benchmarks/tune_kernels.py prints the best per shape.
+# Tiling defaults, picked by benchmarks/tune_kernels.py on 16384 x 7168 bf16. Evidence:
+# docs/design/performance.md#quantization-kernels (benchmarks/results/h200-2026-11-30/bench_quant_kernels.txt).
 ACT_QUANT_DEFAULTS = dict(bm=32, gb=1, num_warps=4)
 SWIGLU_DEFAULTS = dict(bm=16, gb=1, num_warps=4, fast_silu=True)
 # RMSNorm: "chunked" = _rmsnorm_quant_kernel (bm rows, gb groups per step, two passes unless gb*128 >= K),
 # "persistent" = _rmsnorm_quant_persistent_kernel (programs_per_sm programs per SM, one pass, pipelined).
-# Rows of 33..128 groups default to persistent (H200 16384 x 7168 bf16: 2.63 TB/s vs 1.83 for chunked two-pass,
-# 2026-11-29); wider rows and mode="chunked" take the chunked knobs.
+# Rows of 33..128 groups default to persistent (faster than chunked two-pass: same evidence as the tilings above);
+# wider rows and mode="chunked" take the chunked knobs.
 RMSNORM_DEFAULTS = dict(mode="persistent", num_warps=8, num_stages=3, programs_per_sm=2)
 RMSNORM_CHUNKED_DEFAULTS = dict(bm=1, gb=8, num_warps=4, num_stages=2)
 SMALL_ROW_GROUPS = 32  # rows of <= 32 groups (K <= 4096) default to the one-pass whole-row tile (see rmsnorm_quant)
@@ -584,7 +583,7 @@ def _launch_rmsnorm(x, w, out, scales, hp, res, rout, rows, k, groups, eps, retu
     d, c = RMSNORM_DEFAULTS, RMSNORM_CHUNKED_DEFAULTS
     small = (groups <= SMALL_ROW_GROUPS and single_pass is None and mode is None and bm is None and gb is None)
     if small:  # 16 warps: the single row's loads, reduction and stores spread over more threads (latency-bound;
-        # H200 add+RMSNorm+quant of 1 x 4096 in a CUDA graph: 2.8 us vs 3.4 at 8 warps, probe_small.txt)
+        # docs/design/performance.md#quantization-kernels)
         mode, bm, gb = "chunked", 1, triton.next_power_of_2(groups)
         num_warps = num_warps or 16
     if single_pass is not None:  # the two historical kernels, expressed in the chunked kernel's knobs

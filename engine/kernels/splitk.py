@@ -94,8 +94,8 @@ def _last_split_reduce(offs_n, offs_m, pid_n, pid_m, M, N, n_splits, part_ptr, o
     the tile's counter (cnt_ptr, per tile, reset to 0 by that split) sums all partials in split order from zero, times
     the tensor scale, plus bias -- the fp32 operations of `_splitk_reduce_kernel`, so its bits, without its launch.
     Each split's partial store is released by its arrival (acq_rel); the reset is a plain store, with no fence before
-    it: the next kernel to use the counter starts after this one has completed (H200, 2026-11-29: 0.5 us less per
-    call than an acq_rel exchange)."""
+    it: the next kernel to use the counter starts after this one has completed (cheaper than an acq_rel exchange:
+    docs/design/performance.md#decode-gemms-m--64)."""
     tile = pid_m * tl.num_programs(0) + pid_n
     tl.debug_barrier()  # every thread's partial store happens before the release below
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -134,11 +134,8 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, bias_ptr, ts_ptr, MN, N, S,
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 # Partials the last split of a tile loads per L2 round trip in the fused reduce (`_sum_partials`; the Gluon kernel's
 # `_finish` alike), at most: 4, or 1 (one per loop step). Same bits either way: the adds stay in split
-# order. H200, 2026-11-30, four per trip everywhere against one:
-# one call 4096x14336 M = 4 21.55 -> 20.6 us, M = 32 25.0 -> 24.1; in a CUDA graph 7168x16384 M = 32 44.0 -> 38.5,
-# 4096x4096 M = 16 7.97 -> 7.57. The burst's loads and pointers take registers (the BM 32 / BN 64 / 8-warp split-K
-# kernel 80 -> 105 per thread, 3 -> 2 programs per SM): 6144x4096 M = 32, 384 programs, went 11.0 -> 14.2 us. Hence
-# `reduce_burst`: one partial per trip where a grid needs more than 2 programs per SM.
+# order. The burst's loads and pointers take registers, so `reduce_burst` loads one partial per trip where a grid
+# needs more than 2 programs per SM (docs/design/performance.md#decode-gemms-m--64).
 REDUCE_BURST = 4
 
 
