@@ -9,9 +9,15 @@ settings, `plan_model_group` estimates (all in bytes, on the engine's device):
 * activations of one batch through the forward (residual stream and norms, q/k/v, the MLP's or active experts'
   intermediates, eager attention scores x3, logits x2);
 * what the evals keep: the reference taps of one batch (`layer_error`: every layer resident, one layer streamed),
-  the reference's ppl_kld logits (full, or the top-k cache above 512 MiB), and streamed, the residual stream of
-  every window between stages (reference and engine);
-* the KV cache of the generating evals (longctx, tasks, invariance, switching, threeway), resident only.
+  the reference's logits of ppl_kld's or longctx's KLD windows (full, or the top-k cache above 512 MiB), and
+  streamed, the residual streams between stages (reference and engine) of every window of the fixed-window evals
+  (layer_error, ppl_kld, longctx's kld part) or of one pass of the tasks eval's log-likelihood requests: lm-eval
+  requests are planned at min(context, `TASK_SEQ`) tokens, and a pass holds what fits next to one layer (else on
+  the host), at most `LM_PASS_TOKENS` tokens (`MemoryPlan.pass_tokens`; each pass reads the checkpoint once);
+* the KV cache of the evals that may generate (tasks, longctx's degeneration and passkey parts, invariance,
+  switching, threeway), resident only: streamed, generating tasks and parts are not run (a `PartlyRunError`
+  names them), and an eval with nothing that streams (invariance, switching, threeway, longctx without kld) is a
+  `MemoryPlanError`.
 
 `execution` (a suite key: auto | resident | streamed) picks the plan: `auto` runs resident when it fits, else
 streamed (activations kept on the host between stages when they do not fit next to a layer), else the model group
@@ -37,7 +43,10 @@ if TYPE_CHECKING:
     from engine.loading import ModelSource
 
 EXECUTIONS = ("auto", "resident", "streamed")
-STREAMED_EVALS = ("layer_error", "ppl_kld")  # the evals that run layer-major (evalharness.streamed)
+# the evals that run layer-major (evalharness.streamed): tasks' log-likelihood tasks and longctx's kld part only
+STREAMED_EVALS = ("layer_error", "ppl_kld", "tasks", "longctx")
+TASK_SEQ = 2048  # the longest lm-eval request planned for (min(the model's context, this))
+LM_PASS_TOKENS = 2**20  # at most this many request tokens wait between stages in one pass of the tasks eval
 HEADROOM = 0.9  # the fraction of the free memory a plan may use
 _PPL_FULL_LIMIT = 512 * 2**20  # ppl_kld keeps full reference logits below this (evals/ppl_kld._CACHE_LIMIT_BYTES)
 GiB = 2**30
@@ -57,6 +66,7 @@ class MemoryPlan:
     resident: dict[str, int]  # component -> bytes, resident execution
     streamed: dict[str, int]  # component -> bytes, streamed execution
     offload: bool = False  # streamed: activations on the host between stages
+    pass_tokens: int | None = None  # streamed: the most input tokens one map_logits pass keeps between stages
 
     @property
     def resident_bytes(self) -> int:
@@ -74,6 +84,8 @@ class MemoryPlan:
             return ", ".join(f"{k} {v / GiB:.3g}" for k, v in parts.items())
 
         extra = " (activations on the host between stages)" if self.offload else ""
+        if self.mode == "streamed" and self.pass_tokens:
+            extra += f" (log-likelihood passes of up to {self.pass_tokens} tokens)"
         return (f"memory plan: {self.mode}{extra} on {self.device}, budget {self.budget / GiB:.3g} GiB; "
                 f"resident {self.resident_bytes / GiB:.3g} GiB [{fmt(self.resident)}]; "
                 f"streamed {self.streamed_bytes / GiB:.3g} GiB [{fmt(self.streamed)}]")
@@ -167,6 +179,32 @@ def _tap_bytes_per_layer(cfg: ModelConfig, tokens: int) -> int:
     return 4 * tokens * (8 * d + qkv + inter)
 
 
+def _window_sets(cfg: ModelConfig, settings: dict[str, dict]) -> list[tuple[int, int]]:
+    """(windows, seq_len) of each fixed-window eval: layer_error, ppl_kld, longctx's KLD by position."""
+    out = []
+    for name in ("layer_error", "ppl_kld"):
+        if name in settings:
+            s = settings[name]
+            out.append((s.get("windows") or s.get("max_windows") or 1, s["seq_len"]))
+    lc = settings.get("longctx")
+    if lc is not None and "kld" in (lc.get("parts") or ("kld",)):
+        out.append((lc["kld_docs"], min(lc.get("kld_seq_len") or cfg.max_position, cfg.max_position)))
+    return out
+
+
+def _reference_logits(cfg: ModelConfig, settings: dict[str, dict]) -> list[tuple[str, int, int, Any]]:
+    """(eval, windows, seq_len, ref_topk) of each eval that keeps the reference's logits of all its windows."""
+    out = []
+    if "ppl_kld" in settings:
+        s = settings["ppl_kld"]
+        out.append(("ppl_kld", s["max_windows"], s["seq_len"], s["ref_topk"]))
+    lc = settings.get("longctx")
+    if lc is not None and "kld" in (lc.get("parts") or ("kld",)):
+        out.append(("longctx", lc["kld_docs"], min(lc.get("kld_seq_len") or cfg.max_position, cfg.max_position),
+                    lc.get("ref_topk")))
+    return out
+
+
 def plan_model_group(cfg: ModelConfig, recipes: list[Recipe], evals: dict[str, dict[str, Any]], batch_size: int,
                      device: str, native: bool, execution: str = "auto", budget: int | None = None) -> MemoryPlan:
     """The memory plan of one model (all its recipes), or `MemoryPlanError` with the numbers when none fits.
@@ -179,24 +217,27 @@ def plan_model_group(cfg: ModelConfig, recipes: list[Recipe], evals: dict[str, d
     budget = int(HEADROOM * available_bytes(device)) if budget is None else int(budget)
     stage_w = weight_bytes(cfg, recipes, native)
     settings = {name: validate_eval_config(name, dict(c or {})) for name, c in evals.items()}
-    seq, windows = 0, 0
-    for name in STREAMED_EVALS:
-        if name in settings:
-            s = settings[name]
-            seq = max(seq, s["seq_len"])
-            windows = max(windows, s.get("windows") or s.get("max_windows") or 0)
-    seq = seq or 128
-    b = min(batch_size, max(windows, 1))
+    windows = _window_sets(cfg, settings)  # (windows, seq_len) of each fixed-window eval
+    lm_batch = (settings["tasks"].get("batch_size") or batch_size) if "tasks" in settings else 0
+    task_seq = min(cfg.max_position, TASK_SEQ) if "tasks" in settings else 0
+    seq = max([t for _, t in windows] + [task_seq]) or 128
+    b = max([min(batch_size, n) for n, _ in windows] + [lm_batch, 1])
     act = _batch_activations(cfg, b, seq)
     d = cfg.hidden_size
     vocab = cfg.vocab_size
     taps_one = _tap_bytes_per_layer(cfg, b * seq) if "layer_error" in settings else 0
     ppl = 0
-    if "ppl_kld" in settings:
-        n, t = settings["ppl_kld"]["max_windows"], settings["ppl_kld"]["seq_len"]
+    for _, n, t, topk in _reference_logits(cfg, settings):
         full = n * t * vocab * 4
-        ppl = full if full <= _PPL_FULL_LIMIT and not settings["ppl_kld"]["ref_topk"] else n * t * 64 * 16
-    generating = [n for n in settings if n not in STREAMED_EVALS]
+        ppl = max(ppl, full if full <= _PPL_FULL_LIMIT and not topk else n * t * 64 * 16)
+    longctx_parts = ()
+    if "longctx" in settings:
+        longctx_parts = tuple(settings["longctx"].get("parts") or ("degeneration", "passkey", "kld"))
+    generating = [n for n in settings if n not in STREAMED_EVALS or n == "tasks"] + \
+        (["longctx"] if set(longctx_parts) - {"kld"} else [])
+    # evals with nothing to run layer-streamed: they serve, or (longctx without kld) only generate
+    unstreamable = [n for n in settings if n not in STREAMED_EVALS] + \
+        (["longctx"] if longctx_parts and "kld" not in longctx_parts else [])
     kv = 0
     if generating:
         ctx_len = min(cfg.max_position, 8192)
@@ -208,10 +249,20 @@ def plan_model_group(cfg: ModelConfig, recipes: list[Recipe], evals: dict[str, d
                 "prepared": sum(p for _, p in stage_w.values()), "activations": act,
                 "taps": taps_one * cfg.num_layers, "ppl_reference": ppl, "kv_cache": kv}
     biggest = max(stage_w.values(), key=lambda wp: wp[0] + wp[1])
-    win_total = max(windows, 1) * seq
+    per_token = 3 * 4 * d  # between stages: the reference's residual stream, the engine's and its norm (fp32)
+    win_tokens = max([n * t for n, t in windows] + [seq])
     streamed = {"stage_fp32": biggest[0], "stage_prepared": biggest[1], "activations": act, "taps": taps_one,
-                "ppl_reference": ppl, "windows_activations": 3 * 4 * win_total * d}
-    plan = MemoryPlan("resident", device, budget, resident, streamed)
+                "ppl_reference": ppl}
+    pass_tokens = None
+    if "tasks" in settings:  # lm-eval's requests, in passes of what fits next to one layer (else on the host)
+        floor = lm_batch * task_seq
+        room = (budget - sum(streamed.values())) // per_token
+        if room < max(floor, win_tokens):
+            room = int(HEADROOM * available_bytes("cpu")) // per_token
+        pass_tokens = max(floor, min(LM_PASS_TOKENS, room))
+        win_tokens = max(win_tokens, pass_tokens)
+    streamed["windows_activations"] = per_token * win_tokens
+    plan = MemoryPlan("resident", device, budget, resident, streamed, pass_tokens=pass_tokens)
     fits_resident = plan.resident_bytes <= budget
     offload_plan = dataclasses.replace(plan, mode="streamed", offload=True)
     fits_streamed = plan.streamed_bytes <= budget
@@ -221,10 +272,10 @@ def plan_model_group(cfg: ModelConfig, recipes: list[Recipe], evals: dict[str, d
         return plan
     if execution == "resident":
         why = "execution: resident, but the resident plan does not fit"
-    elif generating:
-        why = (f"the evals {generating} generate or serve, which needs the whole model resident (layer-streamed "
-               f"evals: {list(STREAMED_EVALS)}); run them on more GPUs (tensor / expert parallelism, "
-               "docs/guide/multi-gpu.md)")
+    elif unstreamable:
+        why = (f"the evals {unstreamable} generate or serve, which needs the whole model resident (layer-streamed: "
+               "layer_error, ppl_kld, the log-likelihood tasks, longctx's kld part); run them on more GPUs (tensor / "
+               "expert parallelism, docs/guide/multi-gpu.md)")
         if execution == "streamed":
             why = f"execution: streamed, but {why}"
     elif fits_streamed:

@@ -6,8 +6,9 @@ read once (one fp32 read shared by the two models on one device), every batch go
 and then the engine's, and the stage's weights are dropped. Per batch the callbacks see what the resident path
 shows them, in the same order per tap: tap callbacks per stage, logits at the head.
 
-`map_logits` is the evals' one entry point for "logits of every batch": resident models are called batch by
-batch, streamed ones get one layer-major pass.
+`map_logits` is the evals' one entry point for "logits of every batch" (ppl_kld, longctx's KLD by position, the
+lm-eval adapter's log-likelihoods): resident models are called batch by batch, streamed ones get layer-major
+passes (one, or several of at most the plan's `pass_tokens` tokens each).
 """
 
 from __future__ import annotations
@@ -105,25 +106,50 @@ def co_stream(inputs: Sequence[torch.Tensor], reference=None, engine=None,
 
 
 def map_logits(model, batches: Iterable[tuple], consume: Callable[[torch.Tensor, tuple], Any],
-               counters: dict | None = None, offload: bool | None = None) -> list:
+               counters: dict | None = None, offload: bool | None = None, pass_tokens: int | None = None) -> list:
     """`consume(logits, batch)` for every `(start, inputs, targets)` batch: batch by batch for a resident model (the
-    iterable is read lazily), one layer-major pass for a streamed one (same bits per batch)."""
+    iterable is read lazily), layer-major passes for a streamed one (same bits per batch).
+
+    A streamed model's batches go through one pass, or several consecutive passes of at most `pass_tokens` input
+    tokens each (default: the model's `pass_tokens`, set from the memory plan; None = one pass): the activations of
+    a pass's batches wait between stages, and each pass reads the checkpoint once."""
     if not is_streamed(model):
         return [consume(model.logits(batch[1]), batch) for batch in batches]
     batches = list(batches)
-    inputs = [batch[1] for batch in batches]
-    if hasattr(model, "bind"):  # a StreamedReference
-        return co_stream(inputs, reference=model, ref_consume=lambda b, lg: consume(lg, batches[b]),
-                         counters=counters, offload=offload)[0]
-    return co_stream(inputs, engine=model, eng_consume=lambda b, lg: consume(lg, batches[b]), counters=counters,
-                     offload=offload)[1]
+    limit = pass_tokens if pass_tokens is not None else getattr(model, "pass_tokens", None)
+    out: list = []
+    for group in _passes(batches, limit):
+        inputs = [batch[1] for batch in group]
+        if hasattr(model, "bind"):  # a StreamedReference
+            out += co_stream(inputs, reference=model, ref_consume=lambda b, lg, g=group: consume(lg, g[b]),
+                             counters=counters, offload=offload)[0]
+        else:
+            out += co_stream(inputs, engine=model, eng_consume=lambda b, lg, g=group: consume(lg, g[b]),
+                             counters=counters, offload=offload)[1]
+    return out
+
+
+def _passes(batches: list, limit: int | None) -> list[list]:
+    """Consecutive groups of `batches` of at most `limit` input tokens each (a batch larger than that alone)."""
+    if not limit:
+        return [batches] if batches else []
+    groups: list[list] = []
+    used = limit
+    for batch in batches:
+        n = int(batch[1].numel())
+        if used + n > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(batch)
+        used += n
+    return groups
 
 
 def open_streamed(source, device: str, ref_device: str, plan=None):
     """A model opened for layer-streamed evaluation, reading only headers: (a `LoadedModel` without weights, for
     its config, source, folder and checkpoint hash; the `LayerStore`; the `StreamedReference` on `ref_device`).
-    `plan` (`evalharness.memory_plan.MemoryPlan`): whether activations wait on the host between stages, and the
-    resident size that the generation error names."""
+    `plan` (`evalharness.memory_plan.MemoryPlan`): whether activations wait on the host between stages, how many
+    tokens one pass of `map_logits` keeps between stages, and the resident size that the generation error names."""
     from engine.loading import LoadedModel, checkpoint_sha256
     from engine.streaming import LayerStore
     from evalharness.streamed_reference import StreamedReference
@@ -132,6 +158,7 @@ def open_streamed(source, device: str, ref_device: str, plan=None):
     loaded = LoadedModel(store.cfg, store.hf_config, {}, str(source), store.directory, checkpoint_sha256(source))
     reference = StreamedReference(store, device=ref_device)
     store.offload = reference.offload = bool(plan is not None and plan.offload)
+    store.pass_tokens = reference.pass_tokens = plan.pass_tokens if plan is not None else None
     store.resident_bytes = plan.resident_bytes if plan is not None else None
     return loaded, store, reference
 
@@ -143,4 +170,5 @@ def streamed_engine(store, spec, options: dict):
     eng = StreamedEngine(store, spec.recipe, backend=spec.backend, resident_bytes=getattr(store, "resident_bytes", None),
                          **options)
     eng.offload = getattr(store, "offload", False)
+    eng.pass_tokens = getattr(store, "pass_tokens", None)
     return eng

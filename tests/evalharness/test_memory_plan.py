@@ -68,10 +68,38 @@ def test_plan_numbers_and_choices():
     no_windows = plan.streamed_bytes - plan.streamed["windows_activations"]
     off = _tiny_plan(no_windows)
     assert off.mode == "streamed" and off.offload and "on the host" in off.describe()
-    with pytest.raises(memory_plan.MemoryPlanError, match=r"longctx.*generate"):
-        _tiny_plan(plan.streamed_bytes, evals={"ppl_kld": {}, "longctx": {}})
+    with pytest.raises(memory_plan.MemoryPlanError, match=r"\['longctx'\] generate"):
+        _tiny_plan(plan.streamed_bytes, evals={"ppl_kld": {}, "longctx": {"parts": ["degeneration", "passkey"]}})
+    with pytest.raises(memory_plan.MemoryPlanError, match=r"\['invariance'\] generate or serve"):
+        _tiny_plan(plan.streamed_bytes, evals={"ppl_kld": {}, "invariance": {}}, execution="streamed")
     with pytest.raises(memory_plan.MemoryPlanError, match="execution: resident"):
         _tiny_plan(plan.streamed_bytes, execution="resident")
+
+
+def test_plan_streams_log_likelihood_tasks_and_longctx_kld():
+    """A streamed group with the tasks eval and longctx is planned: longctx's KLD windows (the model's context by
+    default) and one pass of lm-eval requests wait between stages; the pass holds what fits next to one layer, at
+    most LM_PASS_TOKENS tokens, and falls back to the host when not even one batch fits on the device."""
+    evals = {"tasks": {}, "longctx": {"kld_docs": 3}}
+    big = _tiny_plan(evals=evals, execution="streamed")
+    cfg = memory_plan.model_config(str(builtin_path("tiny-llama")))
+    per_token = 12 * cfg.hidden_size
+    assert big.mode == "streamed" and big.pass_tokens == memory_plan.LM_PASS_TOKENS
+    assert big.streamed["windows_activations"] == per_token * memory_plan.LM_PASS_TOKENS
+    assert "passes of up to 1048576 tokens" in big.describe()
+    assert big.resident["kv_cache"] > 0 and "kv_cache" not in big.streamed  # generating parts: resident only
+    longctx_only = _tiny_plan(evals={"longctx": {"kld_docs": 3, "parts": ["kld"]}}, execution="streamed")
+    assert longctx_only.pass_tokens is None and longctx_only.resident["kv_cache"] == 0
+    assert longctx_only.streamed["windows_activations"] == per_token * 3 * cfg.max_position  # kld_seq_len: context
+    # a budget with room for 5000 tokens next to one layer: passes of 5000 tokens on the device
+    rest = sum(v for k, v in big.streamed.items() if k != "windows_activations")
+    small = _tiny_plan(rest + 5000 * per_token, evals=evals, execution="streamed")
+    assert small.pass_tokens == 5000 and small.mode == "streamed" and not small.offload
+    # room for fewer tokens than one batch of requests (2 x 512): the passes wait on the host
+    tasks_only = _tiny_plan(evals={"tasks": {}}, execution="streamed")
+    rest = sum(v for k, v in tasks_only.streamed.items() if k != "windows_activations")
+    tight = _tiny_plan(rest + 500 * per_token, evals={"tasks": {}}, execution="streamed")
+    assert tight.offload and tight.pass_tokens >= 2 * cfg.max_position
 
 
 def test_execution_key_is_validated(tmp_path):
