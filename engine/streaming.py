@@ -355,25 +355,27 @@ class StreamedEngine:
         """A streamed engine is not served (see `generate_batch`)."""
         return False
 
-    def _no_generation(self, what: str) -> StreamedGenerationError:
+    def generation_error(self, what: str) -> StreamedGenerationError:
+        """The error for generation asked of this engine (`what`: who asked), naming the memory and the routes."""
         need = self.resident_bytes or sum(self.store.stage_bytes(s) for s in stages(self.cfg))
         return StreamedGenerationError(
             f"{what}: model '{self.store.where}' runs layer-streamed (it does not fit on {self.device.type}), and "
             f"generation reads every layer at each decode step: it needs the whole model resident, about "
             f"{need / 2**30:.1f} GiB plus the KV cache. Run the generating evals (longctx, passkey, lm-eval "
             "generate_until tasks) on more GPUs with tensor / expert parallelism (serving tp / ep under torchrun, "
-            "docs/guide/multi-gpu.md), or with `execution: resident` on a machine that holds it; the layer-streamed "
-            "evals are layer_error and ppl_kld (docs/guide/big-models.md)")
+            "docs/guide/multi-gpu.md), or with `execution: resident` on a machine that holds it; what runs "
+            "layer-streamed: layer_error, ppl_kld, the log-likelihood tasks and longctx's KLD by position "
+            "(docs/guide/big-models.md)")
 
     def generate_batch(self, requests: Sequence, serving=None, step_stats: bool = False, keep_logits: bool = False,
                        max_batch: int | None = None):
         """Not available when streamed: raises `StreamedGenerationError` naming the memory and the routes."""
-        raise self._no_generation("generate_batch")
+        raise self.generation_error("generate_batch")
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
                  return_logits: bool = False, high_precision: bool = False):
         """Not available when streamed: raises `StreamedGenerationError`."""
-        raise self._no_generation("generate")
+        raise self.generation_error("generate")
 
 
 def stream_logits(engine: StreamedEngine, batches: Sequence[torch.Tensor],

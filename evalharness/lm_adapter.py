@@ -25,6 +25,10 @@ The three lm-eval request types:
   stop string (nothing after it can survive the cut), which is exact and saves
   decode steps.
 
+A layer-streamed model (`evalharness.streamed`) gets all batches of a call at once (lm-eval hands over every
+request of a task in one call): they go through the model in layer-major passes (`map_logits`), with the same
+batches and the same bits per batch as the resident model's batch-by-batch calls.
+
 Right padding matters for dynamically scaled recipes: padding tokens take part
 in per-tensor activation scales exactly as in a real batched server, which is
 why ``batch_size`` is a serving setting of the run.
@@ -41,6 +45,7 @@ from lm_eval.api.model import LM
 from engine.generation import GenerationRequest
 from evalharness.generation import generate_many
 from evalharness.progress import Progress, no_bars
+from evalharness.streamed import map_logits
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,7 @@ class HarnessLM(LM):
         self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else (self.prefix_id or 0)
         self.counters = {"forward_batches": 0, "sequences": 0, "generate_calls": 0, "generated_tokens": 0,
                          "truncated_continuations": 0}
+        self.stream_counters: dict[str, int] = {}  # a layer-streamed model's checkpoint bytes read and stages run
         self._stop_token_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._vocab_text: list[str] | None = None
 
@@ -168,13 +174,20 @@ class HarnessLM(LM):
         unique = sorted({k for k in keys if k[1] > 0}, key=lambda k: (-len(k[0]), k))
         results: dict[tuple[tuple[int, ...], int], tuple[float, bool]] = {((), 0): (0.0, True)}
         bar = self.progress.bar(total=len(unique), desc=f"{self.name} loglikelihood", unit="seq")
-        for s in range(0, len(unique), self.batch_size):
-            batch = unique[s:s + self.batch_size]
-            width = max(len(full) - 1 for full, _ in batch)
-            inp = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # (batch, t), right-padded
-            for i, (full, _) in enumerate(batch):
-                inp[i, :len(full) - 1] = torch.tensor(full[:-1], dtype=torch.long)
-            logits = self.model.logits(inp)  # (batch, t, vocab)
+
+        def inputs():
+            """(first, (batch, t) right-padded inputs, the batch's keys) per batch of `batch_size` sequences."""
+            for s in range(0, len(unique), self.batch_size):
+                batch = unique[s:s + self.batch_size]
+                width = max(len(full) - 1 for full, _ in batch)
+                inp = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # (batch, t), right-padded
+                for i, (full, _) in enumerate(batch):
+                    inp[i, :len(full) - 1] = torch.tensor(full[:-1], dtype=torch.long)
+                yield s, inp, batch
+
+        def reduce(logits: torch.Tensor, item: tuple) -> None:
+            """Each sequence's continuation log-likelihood and greedy flag from its batch's logits."""
+            batch = item[2]
             self.counters["forward_batches"] += 1
             self.counters["sequences"] += len(batch)
             # All continuation positions of the batch at once (few large ops instead of many small ones).
@@ -200,6 +213,9 @@ class HarnessLM(LM):
             for i, k in enumerate(batch):
                 results[k] = (ll[i], misses[i] == 0)
             bar.update(len(batch))
+
+        # a resident model scores batch by batch; a layer-streamed one all batches in layer-major passes
+        map_logits(self.model, inputs(), reduce, self.stream_counters)
         bar.close()
         return [results[k] for k in keys]
 

@@ -26,7 +26,7 @@ from engine.loading import LoadedModel, load_model
 from engine.model import Transformer
 from engine.serving import ServingConfig
 from evalharness import distributed, fingerprint, provenance
-from evalharness.errors import BAD_INPUT, BusyError, SuiteError
+from evalharness.errors import BAD_INPUT, BusyError, PartlyRunError, SuiteError
 from evalharness.evals import EvalContext, run_eval
 from evalharness.fingerprint import Inputs, model_inputs, model_source, run_fingerprint
 from evalharness.lock import results_lock
@@ -353,7 +353,9 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
 
     Any failure while loading the model, its tokenizer or its reference becomes an error result for each of its
     runs (bad input: `bad_input: true`, so that `run` exits 2; anything else with its traceback: exit 1), and the
-    suite goes on with the next model.
+    suite goes on with the next model. An eval that runs only in part (`evalharness.errors.PartlyRunError`: a
+    generating task on a layer-streamed model) keeps its metrics and samples, the run's other evals run, and the run
+    is an error result (bad input) naming what did not run.
 
     `sink(spec, path, doc)` takes each result document (default: write it, then `on_result`);
     `place(spec)` gives the process group of a model-parallel RunSpec (default: none);
@@ -424,6 +426,7 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
         work: dict[str, int] = {}  # tokens / decode steps each eval cost the engine and the reference
         error = None
         ctx = kernels = None
+        not_run: list[str] = []  # evals that ran only in part (evalharness.errors.PartlyRunError)
         stack = contextlib.ExitStack()  # the run's bar over its evals
         try:
             engine_for = _engine_factory(base_model, spec, place(spec) if place is not None else None)
@@ -445,7 +448,11 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
                 before = {side: dict(getattr(obj, "work", {})) for side, obj in (("engine", engine),
                                                                                 ("reference", reference))}
                 ref_before = ctx.timing.get("reference_s", 0.0)
-                m, s = run_eval(name, ctx, cfg)
+                try:
+                    m, s = run_eval(name, ctx, cfg)
+                except PartlyRunError as part:  # what ran is kept; the run ends as an error naming the rest
+                    m, s = part.metrics, part.samples
+                    not_run.append(f"{name}: {part}")
                 timing[f"{name}_s"] = round(time.time() - te, 3)
                 timing[f"{name}.reference_s"] = round(ctx.timing.get("reference_s", 0.0) - ref_before, 3)
                 for side, obj in (("engine", engine), ("reference", reference)):  # work of this eval, per side
@@ -462,6 +469,8 @@ def _run_model_group(suite: Suite, runs: list[RunSpec], out: Path, log, done: in
             coverage = getattr(engine, "native_coverage", None)  # an optional engine method (engine.api.Engine)
             metrics.update({f"native.{k}": v for k, v in (coverage() if coverage else {}).items()})
             status = "ok"
+            if not_run:
+                raise PartlyRunError("; ".join(not_run), {}, {})
         except BAD_INPUT as exc:
             status, error = "error", {"type": type(exc).__name__, "message": str(exc), "bad_input": True}
         except Exception as exc:  # a crashing eval must not take the suite down; record it

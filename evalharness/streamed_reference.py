@@ -164,16 +164,17 @@ class StreamedReference(ReferenceLM):
                 self.release(stage)
         return state
 
-    def _no_generation(self) -> StreamedGenerationError:
+    def generation_error(self, what: str = "generation") -> StreamedGenerationError:
+        """The error for generation asked of this reference (`what`: who asked)."""
         return StreamedGenerationError(
-            f"the FP32 reference of '{self.store.where}' runs layer-streamed: generation reads every layer at each "
-            "decode step and needs the whole model resident (tensor / expert parallelism over more GPUs, "
+            f"{what}: the FP32 reference of '{self.store.where}' runs layer-streamed: generation reads every layer at "
+            "each decode step and needs the whole model resident (tensor / expert parallelism over more GPUs, "
             "docs/guide/multi-gpu.md, or `execution: resident`)")
 
     def generate_batch(self, requests, max_batch: int = 8, step_stats: bool = False, keep_logits: bool = False):
         """Not available when streamed."""
-        raise self._no_generation()
+        raise self.generation_error()
 
     def generate(self, prompt, max_new_tokens, stop_ids=(), return_logits=False):
         """Not available when streamed."""
-        raise self._no_generation()
+        raise self.generation_error()

@@ -24,6 +24,12 @@ Four parts (setting ``parts``; all by default):
   512 MB of reference logits (or with ``ref_topk: K``) the reference enters as
   top-k records (`evalharness.evals.tokenstats`), as in ``ppl_kld``.
 
+On a layer-streamed model (docs/guide/big-models.md) only ``kld`` runs (layer-major passes, the resident
+metrics bit for bit): ``degeneration`` and ``passkey`` generate, and every decode step reads every layer. The
+eval then ends with `evalharness.errors.PartlyRunError` naming the parts not run, the memory generation needs and
+the multi-GPU route; the runner keeps the ``kld`` metrics and makes the run an error result (bad input), so a gate
+FAILs it with that message rather than passing a run without them (ask for ``parts: [kld]`` on such a model).
+
 Metrics ``longctx.<name>``: ``<measure>_eng`` / ``<measure>_ref`` pairs,
 ``div_*``, ``passkey_*``, ``passkey.L<L>.d<pct>.acc_{eng,ref}``, ``kld_*``.
 Per-prompt, per-trial and per-position arrays go into the samples. The
@@ -48,15 +54,17 @@ import torch
 
 from engine.generation import GenerationRequest
 from evalharness import stats
-from evalharness.errors import DataError
+from evalharness.errors import DataError, PartlyRunError
 from evalharness.evals import EvalContext
 from evalharness.evals.degeneration import (compression_ratio, detect_loop, distinct_n, entropy_collapse,
                                             first_divergence, rep_n)
 from evalharness.evals.ppl_kld import DEFAULT_TOPK, reference_for
 from evalharness.evals.tokenstats import compare, select
 from evalharness.generation import generate_many
+from evalharness.streamed import is_streamed, map_logits
 
 PARTS = ("degeneration", "passkey", "kld")
+GENERATING_PARTS = ("degeneration", "passkey")  # not run on a layer-streamed model
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                  "I will quiz you about the important information there.")
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -301,12 +309,16 @@ def run_kld_by_position(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str
     if topk is None and win.n * seq * ctx.vocab_size * 4 > _KLD_CACHE_LIMIT_BYTES:
         topk = DEFAULT_TOPK
     ref_all = reference_for(ctx, win, topk, "longctx_kld_ref")
-    rows = []
-    for start, inputs, targets in ctx.batches(win, "longctx kld engine"):
-        kl = compare(select(ref_all, start, inputs.shape[0]), ctx.engine.logits(inputs), targets)["kld"]
-        kl = kl.clamp_min(0.0)  # (batch, t)
-        rows.append(torch.where(torch.isfinite(kl), kl, torch.full_like(kl, float("inf"))))
-    kld = torch.cat(rows).cpu()  # (docs, seq)
+
+    def row(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+        """KL per position of one batch (batch, t), non-finite as +inf."""
+        start, inputs, targets = batch
+        kl = compare(select(ref_all, start, inputs.shape[0]), logits, targets)["kld"].clamp_min(0.0)  # (batch, t)
+        return torch.where(torch.isfinite(kl), kl, torch.full_like(kl, float("inf")))
+
+    # batch by batch on a resident engine, layer-major passes on a streamed one (evalharness.streamed)
+    kld = torch.cat(map_logits(ctx.engine, ctx.batches(win, "longctx kld engine"), row, ctx.counters)).cpu()
+    # kld: (docs, seq)
     nb = min(cfg["kld_buckets"], seq)
     edges = np.linspace(0, seq, nb + 1).round().astype(int).tolist()
     per_doc = torch.stack([kld[:, a:b].mean(-1) for a, b in zip(edges[:-1], edges[1:])], dim=1)  # (docs, buckets)
@@ -336,12 +348,17 @@ def run_longctx(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     metrics: dict[str, float] = {}
     samples: dict[str, list] = {}
     runners = {"degeneration": run_degeneration, "passkey": run_passkey, "kld": run_kld_by_position}
+    streamed = next((m for m in (ctx.engine, ctx.reference) if is_streamed(m)), None)
+    not_run = [p for p in GENERATING_PARTS if p in parts] if streamed is not None else []
     for part in PARTS:
-        if part in parts:
+        if part in parts and part not in not_run:
             t0, ref0 = time.perf_counter(), ctx.timing.get("reference_s", 0.0)
             m, s = runners[part](ctx, cfg)
             ctx.timing[f"longctx.{part}_s"] = time.perf_counter() - t0  # engine and (uncached) reference
             ctx.timing[f"longctx.{part}.reference_s"] = ctx.timing.get("reference_s", 0.0) - ref0
             metrics.update(m)
             samples.update(s)
+    if not_run:  # the parts that ran are kept; the run is an error naming the parts that did not
+        raise PartlyRunError(str(streamed.generation_error(f"longctx: part(s) {not_run} were not run (they generate)")),
+                             metrics, samples)
     return metrics, samples

@@ -24,6 +24,14 @@ McNemar detects at alpha 0.05 / power 0.8 with this n, at the conservative disco
 filter (GSM8K: ``strict-match``). Samples: ``<name>.correct_ref`` / ``<name>.correct_eng`` (0/1 per document, in
 doc order; a group's in the order of its tasks) for paired gate tests, ``<task>.ll_absdiff`` when available.
 
+On a layer-streamed model (`evalharness.streamed`; docs/guide/big-models.md) the log-likelihood tasks run as
+resident ones do, bit for bit (each model's requests of a task in layer-major passes). A name whose tasks
+generate (``generate_until``: GSM8K) is not run there: the other names are, their metrics and samples are kept,
+and the eval ends with `evalharness.errors.PartlyRunError` naming each name not run, the memory generation needs
+and the multi-GPU route; the runner keeps the metrics and makes the run an error result (bad input), so a gate
+FAILs it with that message instead of passing a run that silently lacks a task (drop the name for that model, or
+run it resident or on more GPUs).
+
 Timing (the result's ``timing``): ``tasks.<name>.eng_s`` (the engine's pass over the configured name) and
 ``tasks.<name>.ref_s`` (the reference's, in the run that computed it; later recipes reuse it), wall seconds
 including lm-eval's own request building and scoring.
@@ -49,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from evalharness import stats
-from evalharness.errors import DataError
+from evalharness.errors import DataError, PartlyRunError
 from evalharness.evals import EvalContext
 from evalharness.evals.lm_templates import compiled_templates
 
@@ -355,9 +363,15 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
                           progress=ctx.progress)
     metrics: dict[str, float] = {}
     samples: dict[str, list] = {}
+    not_run: list[str] = []
+    ref_lms: list = []  # the reference's adapters of the tasks it ran in this call (not cached before)
     for task in ctx.progress.bar(names, total=len(names), desc="tasks", unit="task"):
         fewshot = _per_task(cfg, "num_fewshot", task, 0)
         limit = _per_task(cfg, "limit", task, 1)
+        refusal = _streamed_refusal(ctx, tm, task)
+        if refusal is not None:  # generation on a layer-streamed model: this task is not run, the others are
+            not_run.append(refusal)
+            continue
         # Everything that changes the reference's answers; the data files are hashed in by path + size + mtime.
         key = ("tasks_ref", task, limit, fewshot, ctx.seed, max_gen, data_dir, tuple(include), _dir_stamp(data_dir),
                engine_lm.max_length)
@@ -367,6 +381,7 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
             t0 = time.perf_counter()
             ref_lm = HarnessLM(ctx.reference, ctx.tokenizer, batch_size=batch_size, name="reference",
                                progress=ctx.progress)
+            ref_lms.append(ref_lm)
             out = evaluate_task(ref_lm, tm, task, limit, fewshot, ctx.seed, max_gen, bars=ctx.progress.tty)
             ctx.timing[f"tasks.{task}.ref_s"] = time.perf_counter() - t0
             return out
@@ -388,7 +403,29 @@ def run_tasks(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float], 
             samples.update({f"{r['task']}.{k}": v for k, v in s.items()})
     for k, v in engine_lm.counters.items():
         ctx.counters[f"tasks_engine_{k}"] = ctx.counters.get(f"tasks_engine_{k}", 0) + v
+    for lm in [engine_lm, *ref_lms]:  # layer-streamed passes: the checkpoint bytes read count as the run's
+        for k, v in lm.stream_counters.items():
+            ctx.counters[k] = ctx.counters.get(k, 0) + v
+    if not_run:
+        raise PartlyRunError("; ".join(not_run), metrics, samples)
     return metrics, samples
+
+
+def _streamed_refusal(ctx: EvalContext, tm, task: str) -> str | None:
+    """Why `task` cannot run here (its tasks generate and a model runs layer-streamed: every decode step reads
+    every layer), else None."""
+    from evalharness.streamed import is_streamed
+
+    side = next((m for m in (ctx.engine, ctx.reference) if is_streamed(m)), None)
+    if side is None:
+        return None
+    with _quiet_lm_eval():
+        loaded, _ = _load_task(tm, task)
+    generating = [name for name, tobj in loaded["tasks"].items()
+                  if tobj.get_config("output_type") == "generate_until"]
+    if not generating:
+        return None
+    return str(side.generation_error(f"tasks eval: '{task}' was not run (generate_until: {', '.join(generating)})"))
 
 
 def _dir_stamp(data_dir: str | None) -> str:
