@@ -245,7 +245,7 @@ class Numerics:
         """Causal GQA attention; QK^T and softmax in the `attn.softmax` precision.
 
         q: (batch, heads, tq, d), k: (batch, kv_heads, tk, d), v: (batch, kv_heads, tk, dv)
-        already in their cache formats; q_pos (tq,), k_pos (tk,) absolute positions;
+        already in their cache formats; q_pos (tq,) or per row (batch, tq), k_pos (tk,) absolute positions;
         `scale` defaults to 1/sqrt(d). Returns (batch, tq, heads*dv) fp32.
         """
         b, h, tq, d = q.shape
@@ -258,9 +258,12 @@ class Numerics:
         sm = self.recipe.spec("attn.softmax", module)
         scale = (1.0 / math.sqrt(d)) if scale is None else scale
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (batch, heads, tq, tk)
-        mask = k_pos[None, :] > q_pos[:, None]  # (tq, tk) True = masked
+        qp = q_pos[..., :, None]  # (tq, 1), or (batch, tq, 1) per row
+        mask = k_pos > qp  # (tq, tk) or (batch, tq, tk), True = masked
         if sliding_window is not None:
-            mask = mask | (k_pos[None, :] <= q_pos[:, None] - sliding_window)
+            mask = mask | (k_pos <= qp - sliding_window)
+        if mask.dim() == 3:
+            mask = mask[:, None]  # (batch, 1, tq, tk): every head of a row
         scores = scores.masked_fill(mask, float("-inf"))
         if sm != "fp32":
             scores = scores.to(_FLOAT_DTYPES[sm]).float()
@@ -298,6 +301,27 @@ class Numerics:
             outs.append(self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
                                        window))
         return torch.cat(outs), None
+
+    def paged_attention_rows(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
+                             window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
+        """`paged_attention` on float pages without a host read: every row attends over its sequence's pages up to
+        the cache's capacity at once (`PagedKVCache.gather_rows`), the positions past its query masked by
+        causality, so a CUDA graph can hold the step. The same formats as `paged_attention`; the softmax and P.V
+        run over the capacity's keys (the masked ones contribute exact zeros), so the last bits can differ from
+        the gathered-per-row path. The native backend's attention on fp32 pages, which its kernels do not read."""
+        rt, t = view.rt, q.shape[2]
+        if rt.store_emulated:
+            k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
+        rt.kv.write(layer, view.seq_ids, view.start, k, v)
+        kb, vb = rt.kv.gather_rows(layer, view.seq_ids, rt.kv.max_blocks_per_seq)
+        k_pos = torch.arange(kb.shape[2], device=q.device)
+        return Numerics.attention(self, q, kb, vb, view.positions(t), k_pos, module, window), None
+
+    def paged_graphs(self, dtype: torch.dtype) -> bool:
+        """Whether this backend's `paged_attention` on pages of `dtype` reads nothing on the host, so that the
+        runtime can capture a decode step in a CUDA graph. The emulation gathers each row's pages by its length,
+        read on the host: no."""
+        return False
 
     def use_query_carrier(self) -> None:
         """Called by the paged runtime when this backend attends on its pages (`pages_native`): a backend whose

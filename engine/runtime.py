@@ -100,10 +100,11 @@ class PagedRuntime:
         self.store_emulated = dtype == torch.float32 and not (ks == vs == "fp32")
         # whether the backend's kernels attend on these pages in place (`Numerics.pages_native`)
         self.native_attention = engine.nx.pages_native(dtype)
-        # The gathered-page attention reads each sequence's length on the host, which a CUDA graph cannot hold:
-        # only a step on the paged kernels is captured (`graphs`); the others run eager, counted in the engine's
-        # work as decode steps without `decode_graph_steps`.
-        self.graphs = config.cuda_graphs and self.native_attention
+        # The emulation's gathered-page attention reads each sequence's length on the host, which a CUDA graph
+        # cannot hold: only a backend whose paged attention reads nothing on the host (`Numerics.paged_graphs`)
+        # captures its decode steps (`graphs`); the others run eager, counted in the engine's work as decode steps
+        # without `decode_graph_steps`.
+        self.graphs = config.cuda_graphs and engine.nx.paged_graphs(dtype)
         per_seq = -(-config.max_tokens // config.kv_block_size)
         mb = config.max_batch
         # slots [0, max_batch) serve requests; with CUDA graphs, slots [max_batch, 2*max_batch) are scratch

@@ -273,19 +273,27 @@ class NativeNumerics(Numerics):
         half precision, which an fp32 cache must not get."""
         return dtype in NATIVE_FORMATS.paged_pages
 
+    def paged_graphs(self, dtype: torch.dtype) -> bool:
+        """Every paged attention of this backend reads nothing on the host: the kernels on their pages,
+        `paged_attention_rows` on fp32 pages."""
+        return True
+
     def paged_attention(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                         window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
         """On pages the kernels read (`pages_native`): the fused quantize + scatter write (`kv_write`, bit-exact
         with the library write) and the paged decode attention over the block table. bf16 queries travel as bf16
         (`query_carrier`); an attention output stored in bf16 and quantized E4M3 1x128 for o_proj comes out of
         the kernel already rounded and quantized, returned as `fused` for o_proj (`fused_attn_out`). Calls
-        longer than the serving config's `fp8_paged_max_tq` on FP8 pages, and other pages, take the emulation's
-        path."""
+        longer than the serving config's `fp8_paged_max_tq` on FP8 pages take the emulation's path; fp32 pages
+        attend through `paged_attention_rows` (no host read: CUDA graphs hold those steps too)."""
         from engine.kernels.paged_kv import kv_write, paged_decode_attention
 
         rt, t = view.rt, q.shape[2]
+        if not rt.native_attention:  # fp32 pages: every row over the pages at once, no host read
+            self._count("attention", "fallback:fp32-pages")
+            return self.paged_attention_rows(view, layer, q, k, v, module, window)
         cap = rt.config.fp8_paged_max_tq
-        if not rt.native_attention or (cap is not None and rt.kv.fp8 and t > cap):
+        if cap is not None and rt.kv.fp8 and t > cap:
             return super().paged_attention(view, layer, q, k, v, module, window)
         rt.kv.write(layer, view.seq_ids, view.start, k, v, kernel=functools.partial(kv_write, options=self.options))
         q_in = self.query_carrier(q, module)

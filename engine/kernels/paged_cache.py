@@ -271,6 +271,24 @@ class PagedKVCache:
             return self.max_blocks_per_seq * self.block_size
         return max(1, max(self.capacity(i) for i in ids))
 
+    def gather_rows(self, layer: int, seq_ids: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first `num_blocks` pages of each sequence in `seq_ids` (a (batch,) device tensor), through
+        the block table on the device: (k (batch, kv_heads, num_blocks * block_size, head_dim), v (..., head_dim_v))
+        fp32, no host read (graph-capturable). Positions past a sequence's length hold whatever its pages (or the
+        trash page) hold: the caller masks them. Float caches only (FP8 pages carry scales: `gather`)."""
+        if self.fp8:
+            raise ValueError("gather_rows reads float pages; FP8 pages are read with their scales (gather)")
+        if not 1 <= num_blocks <= self.max_blocks_per_seq:
+            raise ValueError(f"num_blocks {num_blocks}: between 1 and max_blocks_per_seq {self.max_blocks_per_seq}")
+        pages = self.block_tables[seq_ids.long(), :num_blocks].long()  # (batch, num_blocks)
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            """(pages, h, block, dim) -> (batch, h, num_blocks * block, dim)."""
+            y = x[pages].permute(0, 2, 1, 3, 4)  # (batch, h, num_blocks, block, dim)
+            return y.reshape(y.shape[0], y.shape[1], num_blocks * self.block_size, y.shape[-1]).float()
+
+        return take(self.k_data(layer)), take(self.v_data(layer))
+
     def gather(self, layer: int, seq_id: int, length: Optional[int] = None, dequantize: bool = True):
         """Contiguous K/V of one sequence (for tests and references; may sync).
 

@@ -135,3 +135,39 @@ def test_fp8_paged_max_tq_is_a_serving_option():
     for bad in (0, -4, "16", True):
         with pytest.raises(ValueError, match="fp8_paged_max_tq"):
             ServingConfig(fp8_paged_max_tq=bad)
+
+
+def test_gather_rows_reads_each_rows_pages_through_the_block_table(tiny):
+    """`PagedKVCache.gather_rows` (device block table, no host read) holds each sequence's gathered K/V first."""
+    eng = Engine(tiny, "fp32")
+    rt = PagedRuntime(eng, ServingConfig(max_tokens=64, kv_block_size=16, max_batch=3))
+    rt.generate(PROMPTS[:3], 5)
+    ids = torch.tensor([2, 0, 1])
+    k, v = rt.kv.gather_rows(0, ids, rt.kv.max_blocks_per_seq)
+    assert k.shape == (3, rt.kv.kv_heads, 64, rt.kv.head_dim) and v.dtype == torch.float32
+    for row, sid in enumerate(ids.tolist()):
+        n = rt.kv.length(sid)
+        kg, vg = rt.kv.gather(0, sid, n)
+        assert n > 5 and torch.equal(k[row:row + 1, :, :n], kg) and torch.equal(v[row:row + 1, :, :n], vg)
+    with pytest.raises(ValueError, match="num_blocks"):
+        rt.kv.gather_rows(0, ids, rt.kv.max_blocks_per_seq + 1)
+
+
+def test_rows_paged_attention_serves_as_the_gathered_rows(tiny, monkeypatch):
+    """`Numerics.paged_attention_rows` (every row over the cache's capacity at once, causally masked: the native
+    backend's attention on fp32 pages, which a CUDA graph can hold) against the per-row gathered attention, under
+    continuous batching: the same tokens, logits within fp32 summation-order noise, not bit-identical by contract."""
+    eng = Engine(tiny, "fp32")
+    cfg = ServingConfig(max_tokens=64, kv_block_size=16, max_batch=3, prefill_chunk=4)
+    want_out, want_logits = PagedRuntime(eng, cfg).generate(PROMPTS, 8, return_logits=True)
+    calls = []
+
+    def rows(*args, **kwargs):
+        calls.append(1)
+        return eng.nx.paged_attention_rows(*args, **kwargs)
+
+    monkeypatch.setattr(eng.nx, "paged_attention", rows)
+    got_out, got_logits = PagedRuntime(eng, cfg).generate(PROMPTS, 8, return_logits=True)
+    assert calls and got_out == want_out
+    assert max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)) <= 1e-4
+    assert not eng.nx.paged_graphs(torch.float32)  # the emulation's own paged attention reads lengths on the host

@@ -145,11 +145,13 @@ def test_continuous_batching_with_graphs_is_bitwise_eager(zoo, recipe):
     assert len(eng._runtime._graphs) >= 2  # the batch shrank and grew: several captured sizes
 
 
-@pytest.mark.parametrize("recipe,backend", [("fp32", "cuda-native"), ("fp8-block", "cuda-emulated")])
-def test_gathered_page_attention_serves_eager_with_graphs_requested(zoo, recipe, backend):
-    """fp32 pages (the fp32 recipe) and the emulated backends attend on the gathered pages, which reads sequence
-    lengths on the host: the runtime decodes them eager although the serving config asks for CUDA graphs (the
-    native paged kernels once faulted on fp32 pages), and the tokens agree with one-at-a-time `Engine.generate`."""
+@pytest.mark.parametrize("recipe,backend,graphs", [("fp32", "cuda-native", True), ("fp8-block", "cuda-emulated", False)])
+def test_paged_attention_without_kernels_serves_with_graphs_where_it_reads_no_host_length(zoo, recipe, backend,
+                                                                                          graphs):
+    """fp32 pages on cuda-native (the native paged kernels' P.V is half precision, and they once faulted on fp32
+    pages) attend through `paged_attention_rows`, which reads nothing on the host: its decode steps are captured.
+    The emulated backends gather each row's pages by its length read on the host: eager although the serving
+    config asks for CUDA graphs. Either way the tokens agree with one-at-a-time `Engine.generate`."""
     from engine.api import Engine
     from engine.generation import GenerationRequest
     from engine.serving import ServingConfig
@@ -159,9 +161,26 @@ def test_gathered_page_attention_serves_eager_with_graphs_requested(zoo, recipe,
     before = eng.work["decode_steps"]
     gens = eng.generate_batch([GenerationRequest(tuple(p), 40) for p in prompts],
                               ServingConfig(max_batch=2, kv_block_size=64, cuda_graphs=True))
-    assert not eng._runtime.graphs and not eng._runtime._graphs
-    assert eng.work["decode_steps"] > before and eng.work["decode_graph_steps"] == 0
+    assert eng._runtime.graphs == graphs and bool(eng._runtime._graphs) == graphs
+    assert eng.work["decode_steps"] > before and (eng.work["decode_graph_steps"] > 0) == graphs
     one = [eng.generate(p, 40) for p in prompts]
     # other batch shapes may re-draw GEMM rounding (cuBLAS per M; FP8 per-call scales): a late near-tie may flip
     agree = sum(a == b for g, o in zip(gens, one) for a, b in zip(g.tokens, o)) / sum(map(len, one))
     assert agree >= 0.9, agree
+
+
+def test_fp32_pages_graph_decode_is_bitwise_eager(zoo):
+    """The fp32 recipe on cuda-native: its captured decode steps (`paged_attention_rows`) give the eager steps'
+    logits exactly."""
+    from engine.api import Engine
+    from engine.runtime import PagedRuntime
+    from engine.serving import ServingConfig
+
+    eng = Engine(zoo, "fp32", backend="cuda-native")
+    eager = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64))
+    graph = PagedRuntime(eng, ServingConfig(kv_block_size=16, max_batch=4, max_tokens=64, cuda_graphs=True))
+    a_out, a_logits = eager.generate(PROMPTS, 12, return_logits=True)
+    b_out, b_logits = graph.generate(PROMPTS, 12, return_logits=True)
+    assert graph.graphs and graph._graphs and a_out == b_out
+    assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
+    assert eng.nx.coverage["attention:fallback:fp32-pages"] > 0
