@@ -421,3 +421,24 @@ def test_units_pool_a_group_in_its_task_order_unless_its_tasks_score_differently
     assert set(out) == {"a", "b", "c", "g"}
     assert out["g"]["correct"] == [0.0, 1.0, 0.0] and out["g"]["prompt_hashes"] == ["b0", "a0", "a1"]
     assert paired_task_metrics(out["g"], out["g"])[0]["version"] == 2.0
+
+
+def test_process_docs_applied_once_per_split(tmp_path):
+    """A task's process_docs (lm-eval applies it on every access of the evaluation documents, three per pass) runs
+    once per split for the shared task object: the same processed documents, the same object each time."""
+    from evalharness.evals import tasks as T
+
+    _local_mc_task(tmp_path, "my_processed_qa", 6, extra="process_docs: !function helpers.shout\n")
+    (tmp_path / "helpers.py").write_text(
+        "def shout(dataset):\n    return dataset.map(lambda d: {'q': d['q'].upper()})\n")
+    T._offline()
+    tm = T.task_manager(["my_processed_qa"], [str(tmp_path)], None)
+    loaded, _ = T._load_task(tm, "my_processed_qa")
+    tobj = loaded["tasks"]["my_processed_qa"]
+    first, second = tobj.eval_docs, tobj.eval_docs
+    assert first is second and [d["q"] for d in first][:2] == ["QUESTION 0: PICK", "QUESTION 1: PICK"]
+    tok = ByteTokenizer(vocab_size=260, bos_id=BOS, eos_id=EOS)
+    ctx = EvalContext(engine=ZeroModel(), reference=ZeroModel(), tokenizer=tok, corpus="", vocab_size=260,
+                      batch_size=4, seed=0, cache={}, counters={})
+    m, _ = run_eval("tasks", ctx, {"tasks": ["my_processed_qa"], "include_paths": [str(tmp_path)]})
+    assert m["my_processed_qa.n"] == 6
