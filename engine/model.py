@@ -131,7 +131,7 @@ class Transformer:
                 continue
             out[name] = prepare_weight(nx, name, w)
             if par is not None:
-                out[name] = par.shard_weight(name, out[name])
+                out[name] = par.shard_weight(name, out[name], nx.slice_prepared)
         return out
 
     def forward(self, nx: Numerics, w: Mapping[str, torch.Tensor], tokens: torch.Tensor,

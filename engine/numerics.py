@@ -196,11 +196,18 @@ class Numerics:
         y = F.linear(a, w) if acc == "fp32" else matmul_accum(a, w, acc)  # (tokens, N)
         if self.local is not None:
             self._local_rel(module, "linear.accum", y, F.linear(a.double(), w.double()))
+        return self.gemm_output(y, bias, module, lead)
+
+    def gemm_output(self, y: torch.Tensor, bias: torch.Tensor | None, module: str, lead: Sequence[int]) -> torch.Tensor:
+        """A GEMM's accumulated fp32 output y (tokens, N) -> (*lead, N) as `linear` returns it: under tensor
+        parallelism a row-parallel GEMM's partial sums are all-reduced first (`ParallelContext.reduce_partial`),
+        then the bias is added and the `linear.output` rounding applied, to the reduced sum. Shared by every
+        backend whose GEMM can return the unrounded fp32 sum without the bias."""
         if self.parallel is not None:  # row-parallel GEMM: sum the ranks' fp32 partials, then bias and rounding
             y = self.parallel.reduce_partial(y, module)
         if bias is not None:
             y = y + bias.float()
-        y = y.reshape(*lead, w.shape[0])  # (..., N)
+        y = y.reshape(*lead, y.shape[-1])  # (..., N)
         return self.round(y, "linear.output", module)
 
     def kv_store(self, x: torch.Tensor, site: str, module: str) -> torch.Tensor:
@@ -369,6 +376,31 @@ class Numerics:
         xs = xq.dequantize().reshape(n, d).index_select(0, plan.token)  # (tokens*k, d), expert-contiguous
         y = self.run_experts(xs, plan.counts, experts, module) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
         return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+
+    def run_dispatched(self, xq: QTensor, data: torch.Tensor, scales: torch.Tensor | None, counts: Sequence[int],
+                       experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
+                       module: str) -> torch.Tensor:
+        """Expert parallelism, receiving rank: this rank's experts on the token rows dispatched to it
+        (`engine.parallel.ParallelContext.moe`) -> (rows, d) fp32 before the routing weights. data (rows, d): the
+        rows' element codes as `xq` (the sender's `moe.input` QTensor) stores them, scales (rows, groups) fp32 or
+        None (see `ParallelContext._wire_rows`), expert-contiguous: counts[e] rows for expert e (0 for experts
+        held elsewhere). The emulation decodes them (the products of `QTensor.dequantize`) for `run_experts`."""
+        from engine.parallel import ParallelContext
+
+        return self.run_experts(ParallelContext._wire_values(xq, data, scales), counts, experts, module)
+
+    def combine_dispatched(self, y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           plan) -> torch.Tensor:
+        """Expert parallelism, dispatching rank: its tokens' expert outputs y (copies, d) fp32, back in the order of
+        `plan` (`engine.routing.dispatch_plan` of `ids`), weighted by `weights` (tokens, k) and summed per token
+        in that order -> (tokens, d) fp32, as `moe` combines."""
+        yw = y * weights.reshape(-1)[plan.order, None]  # (copies, d)
+        return torch.zeros(ids.shape[0], y.shape[1], device=y.device).index_add_(0, plan.token, yw)
+
+    def slice_prepared(self, w: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        """Tensor parallelism: this rank's slice of a prepared weight (`prepare_weight`'s result, quantized whole)
+        along `dim` (`engine.parallel.ParallelContext.shard_weight`). The emulation holds values: a narrow."""
+        return w.narrow(dim, start, length).contiguous()
 
     def route_tokens(self, x: torch.Tensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
                      cfg: MoeConfig, module: str, tap: str) -> tuple[torch.Tensor, torch.Tensor]:

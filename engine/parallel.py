@@ -52,7 +52,7 @@ import copy
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,14 +62,15 @@ from engine.errors import EngineError
 from engine.formats import QTensor
 from engine.formats.elements import decode_codes
 from engine.formats.grouping import group_shape
-from engine.routing import dispatch_plan
+from engine.routing import DispatchPlan, dispatch_plan
 from engine.weights import module_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.model import Transformer
     from engine.numerics import Numerics
 
-__all__ = ["ParallelConfig", "ParallelContext", "ParallelError", "check_parallel"]
+__all__ = ["ExchangePlan", "ParallelConfig", "ParallelContext", "ParallelError", "check_parallel",
+           "exchange_plan", "receive_order", "token_bounds"]
 
 
 class ParallelError(EngineError):
@@ -148,6 +149,57 @@ def _unwire(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     return b.view(dtype).reshape(b.shape[0], cols)
 
 
+def token_bounds(n: int, size: int) -> list[int]:
+    """Token slice boundaries of an expert-parallel group: rank r dispatches tokens bounds[r]:bounds[r+1]."""
+    return [n * i // size for i in range(size + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+    """One rank's send side of an expert-parallel dispatch (`exchange_plan`).
+
+    lo:hi: the tokens this rank dispatches; plan: their (token, expert) copies sorted by expert (stable), so
+    also by destination rank (experts are held in contiguous ranges); counts[j][e]: copies going to rank j's
+    e-th expert; send[j]: rows going to rank j (the split sizes of the all-to-all).
+    """
+
+    lo: int
+    hi: int
+    plan: DispatchPlan
+    counts: list[list[int]]
+    send: list[int]
+
+
+def exchange_plan(ids: torch.Tensor, rank: int, size: int, num_experts: int) -> ExchangePlan:
+    """The send side of rank `rank`'s dispatch of the (tokens, k) expert choices `ids` (identical on every rank)
+    over `size` ranks holding `num_experts / size` contiguous experts each."""
+    bounds = token_bounds(ids.shape[0], size)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    plan = dispatch_plan(ids[lo:hi], num_experts)  # my tokens' copies, sorted by expert
+    per = num_experts // size
+    counts = [plan.counts[j * per:(j + 1) * per] for j in range(size)]  # (dest rank, its expert)
+    return ExchangePlan(lo, hi, plan, counts, [sum(c) for c in counts])
+
+
+def receive_order(recv_counts: list[list[int]], rank: int, num_experts: int) -> tuple[list[int], list[int], list[int]]:
+    """The receive side: recv_counts[src][e] rows of my e-th expert arrive from rank src, (source, expert)-major.
+    Returns (rows from each source, the permutation to (expert, source)-major segments, the per-expert row
+    counts over all `num_experts` (zero for experts held elsewhere))."""
+    size, per = len(recv_counts), len(recv_counts[0])
+    starts, s0 = [], 0
+    for src in range(size):
+        starts.append([])
+        for e in range(per):
+            starts[src].append(s0)
+            s0 += recv_counts[src][e]
+    perm = [j for e in range(per) for src in range(size)
+            for j in range(starts[src][e], starts[src][e] + recv_counts[src][e])]
+    local_counts = [0] * num_experts
+    for e in range(per):
+        local_counts[rank * per + e] = sum(recv_counts[src][e] for src in range(size))
+    return [sum(row) for row in recv_counts], perm, local_counts
+
+
 class ParallelContext:
     """One rank's share of a model-parallel group: weight sharding, partial-sum reduction, expert dispatch.
 
@@ -172,7 +224,7 @@ class ParallelContext:
         backend = dist.get_backend(group)
         if (backend == "nccl") != (device.type == "cuda"):
             raise ParallelError(f"process-group backend '{backend}' cannot serve {device.type} tensors: use nccl "
-                                "with cuda-emulated and gloo with cpu-emulated")
+                                "with the cuda backends and gloo with cpu-emulated")
         check_parallel(config, cfg, f"model '{cfg.model_type}'")
         self.config, self.cfg, self.group, self.device = config, cfg, group, device
         self.rank = dist.get_rank(group)
@@ -184,6 +236,7 @@ class ParallelContext:
         self.local_kv_heads = 1 if self.kv_replication > 1 else hkv // self.tp
         self.local_cfg = dataclasses.replace(cfg, num_heads=h // self.tp, num_kv_heads=self.local_kv_heads)
         self.row_parallel: set[str] = set()
+        self.wire_bytes = 0  # bytes this rank sent to other ranks in expert-parallel exchanges (`_exchange`)
 
     # ------------------------------------------------------------- weights
     def local_model(self, model: "Transformer") -> "Transformer":
@@ -201,32 +254,45 @@ class ParallelContext:
         m = _EXPERT.search(name)
         return m is None or self.ep == 1 or self.owner(int(m.group(1))) == self.rank
 
-    def _slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's contiguous 1/tp of `w` along `dim`."""
-        n = w.shape[dim] // self.tp
-        return w.narrow(dim, self.rank * n, n).contiguous()
-
-    def shard_weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the prepared weight `name` (HF name); replicated tensors pass through."""
+    def shard_range(self, name: str, shape: Sequence[int]) -> tuple[int, int, int] | None:
+        """The sharding plan of the weight `name` (HF name) of `shape`: (dim, start, length) of this rank's slice,
+        or None for a tensor every rank holds whole (replicated; a routed expert is held whole or not at all).
+        dim 0: output rows (q/k/v / q_b / kv_b heads, gate/up intermediate rows); dim 1: input columns of a
+        row-parallel GEMM (o_proj, down_proj)."""
         if self.tp == 1 or _EXPERT.search(name):
-            return w
-        if _HEAD_ROWS.search(name) or _MLP_ROWS.search(name):
-            return self._slice(w, 0)
-        if _KV_ROWS.search(name):
-            if self.kv_replication == 1:
-                return self._slice(w, 0)
-            hd = w.shape[0] // self.cfg.num_kv_heads
-            head = self.rank // self.kv_replication
-            return w.narrow(0, head * hd, hd).contiguous()
+            return None
+        if _HEAD_ROWS.search(name) or _MLP_ROWS.search(name) or (_KV_ROWS.search(name) and self.kv_replication == 1):
+            n = shape[0] // self.tp
+            return 0, self.rank * n, n
+        if _KV_ROWS.search(name):  # one KV head, replicated on the kv_replication ranks whose query heads read it
+            hd = shape[0] // self.cfg.num_kv_heads
+            return 0, (self.rank // self.kv_replication) * hd, hd
         if _ROW_PARALLEL.search(name):
+            n = shape[1] // self.tp
+            return 1, self.rank * n, n
+        return None
+
+    def shard_weight(self, name: str, w, cut: Callable | None = None):
+        """This rank's part of the prepared weight `name` (HF name); replicated tensors pass through. `cut(w, dim,
+        start, length)` slices a backend's prepared weight (`Numerics.slice_prepared`; default: a contiguous
+        narrow of a tensor). Row-parallel modules are recorded for `reduce_partial`."""
+        rng = self.shard_range(name, tuple(w.shape))
+        if rng is None:
+            return w
+        dim, start, length = rng
+        if dim == 1:
             self.row_parallel.add(module_path(name))
-            return self._slice(w, 1)
-        return w
+        return w.narrow(dim, start, length).contiguous() if cut is None else cut(w, dim, start, length)
+
+    def is_row_parallel(self, module: str) -> bool:
+        """Whether `module`'s GEMM is row-parallel here: its fp32 output is a partial sum to all-reduce before the
+        bias and the output rounding (`reduce_partial`)."""
+        return module in self.row_parallel
 
     # ------------------------------------------------------------- hooks
     def reduce_partial(self, y: torch.Tensor, module: str) -> torch.Tensor:
         """Sum a row-parallel GEMM's fp32 partial output (tokens, N) over the group; other GEMMs pass through."""
-        if module in self.row_parallel:
+        if self.is_row_parallel(module):
             y = y.contiguous()
             dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         return y
@@ -247,61 +313,49 @@ class ParallelContext:
 
         xq: the (tokens, d) `moe.input` QTensor of all tokens (identical on every
         rank); weights / ids: (tokens, k) routing, identical on every rank;
-        experts[e] is None for experts held elsewhere.
+        experts[e] is None for experts held elsewhere. The backend runs its experts on the received rows
+        (`Numerics.run_dispatched`: the rows' codes + scales as stored) and weights and sums each token's
+        copies (`Numerics.combine_dispatched`); this method moves the rows.
         """
-        g, r, n_exp = self.ep, self.rank, self.num_experts
-        per = n_exp // g
+        g, r = self.ep, self.rank
         n, d = xq.shape[0], xq.shape[-1]
-        bounds = [n * i // g for i in range(g + 1)]
-        lo, hi = bounds[r], bounds[r + 1]
         dev = xq.data.device
-        plan = dispatch_plan(ids[lo:hi], n_exp)  # my tokens' copies, sorted by expert
-        counts = torch.tensor(plan.counts, dtype=torch.int64, device=dev).view(g, per)  # (dest rank, its expert)
+        ex = exchange_plan(ids, r, g, self.num_experts)
+        counts = torch.tensor(ex.counts, dtype=torch.int64, device=dev)  # (dest rank, its expert)
         recv_counts = torch.empty_like(counts)  # (source rank, my expert)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
-        send = counts.sum(1).tolist()
-        rc = recv_counts.tolist()
-        recv = [sum(row) for row in rc]
+        recv, perm, local_counts = receive_order(recv_counts.tolist(), r, self.num_experts)
 
         # ---- dispatch: FP8 codes + per-row scales of the single moe.input quantization
-        rows = lo + plan.token  # (copies,) global token index of each sorted copy
-        data, scales = self._wire_rows(xq, rows)
-        data_in = self._exchange(_wire(data), recv, send)
-        scales_in = self._exchange(_wire(scales), recv, send) if scales is not None else None
-        xs = self._wire_values(xq, _unwire(data_in, data.dtype, data.shape[1]),
-                               None if scales_in is None else _unwire(scales_in, torch.float32, scales.shape[1]))
-
-        # ---- received blocks are (source, expert)-major; experts need (expert, source)-major segments
-        starts, s0 = [], 0
-        for src in range(g):
-            starts.append([])
-            for e in range(per):
-                starts[src].append(s0)
-                s0 += rc[src][e]
-        perm = [j for e in range(per) for src in range(g) for j in range(starts[src][e], starts[src][e] + rc[src][e])]
+        data, scales = self._wire_rows(xq, ex.lo + ex.plan.token)  # my sorted copies, by destination rank
+        data_in = _unwire(self._exchange(_wire(data), recv, ex.send), data.dtype, data.shape[1])
+        scales_in = (None if scales is None else
+                     _unwire(self._exchange(_wire(scales), recv, ex.send), torch.float32, scales.shape[1]))
+        # received blocks are (source, expert)-major; experts need (expert, source)-major segments
         perm_t = torch.tensor(perm, dtype=torch.int64, device=dev)
-        local_counts = [0] * n_exp
-        for e in range(per):
-            local_counts[r * per + e] = sum(rc[src][e] for src in range(g))
-        out = nx.run_experts(xs.index_select(0, perm_t), local_counts, experts, module)  # (received, d)
+        data_in = data_in.view(torch.uint8).index_select(0, perm_t).view(data.dtype)
+        scales_in = None if scales_in is None else scales_in.index_select(0, perm_t)
+        out = nx.run_dispatched(xq, data_in, scales_in, local_counts, experts, module)  # (received, d) fp32
         back = torch.empty_like(out).index_copy_(0, perm_t, out)  # (source, expert)-major again
 
         # ---- combine: outputs return to the token's rank, weighted and summed in the single-process order
         dt = self._combine_dtype(nx, module)
-        ret = _unwire(self._exchange(_wire(back.to(dt)), send, recv), dt, d).float()  # (copies, d)
-        y = ret * weights[lo:hi].reshape(-1)[plan.order, None]
-        mine = torch.zeros(hi - lo, d, device=dev).index_add_(0, plan.token, y)  # (my tokens, d)
+        ret = _unwire(self._exchange(_wire(back.to(dt)), ex.send, recv), dt, d).float()  # (my copies, d)
+        mine = nx.combine_dispatched(ret, weights[ex.lo:ex.hi], ids[ex.lo:ex.hi], ex.plan)  # (my tokens, d)
+        bounds = token_bounds(n, g)
         width = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         padded = torch.zeros(width, d, device=dev)
-        padded[: hi - lo] = mine
+        padded[: ex.hi - ex.lo] = mine
         parts = [torch.empty_like(padded) for _ in range(g)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[: b - a] for p, a, b in zip(parts, bounds[:-1], bounds[1:])])  # (tokens, d)
 
     # ------------------------------------------------------------- EP wire
     def _exchange(self, payload: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
-        """all_to_all_single of byte rows: `send[j]` rows to rank j, `recv[j]` rows from rank j."""
+        """all_to_all_single of byte rows: `send[j]` rows to rank j, `recv[j]` rows from rank j (the bytes sent
+        to other ranks are added to `wire_bytes`)."""
         out = payload.new_empty((sum(recv), payload.shape[1]))
+        self.wire_bytes += (sum(send) - send[self.rank]) * payload.shape[1]
         dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=send, group=self.group)
         return out
 
