@@ -59,10 +59,11 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -c "import json; from evalharness.provenance import hardware_fingerprint as f; print(json.dumps(f('cuda'), indent=1))" > "$OUT/fingerprint.json" 2>&1
 for part in $parts; do
   case $part in
-    tests)  # every test marked gpu (TESTS: other pytest paths / -k selections; TESTS_TIMEOUT: seconds)
+    tests)  # every test marked gpu (TESTS: other pytest paths / -k selections; TESTS_TIMEOUT: seconds). One line
+      # per test as it finishes (-v): a run stopped by its time limit still names what passed and what failed.
       read -ra tests <<< "${TESTS:-tests/}"
-      run gpu_tests "${TESTS_TIMEOUT:-900}" python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
-        "${tests[@]}" ;;
+      run gpu_tests "${TESTS_TIMEOUT:-900}" python -m pytest -v -p no:cacheprovider -o addopts="" -rfEs -m gpu \
+        --durations=20 "${tests[@]}" ;;
     tests-engine)  # the engine-level GPU tests only (whole models, runtime, formats; the kernels' tests left out)
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
         tests/engine --ignore=tests/engine/kernels ;;
