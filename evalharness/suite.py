@@ -54,6 +54,18 @@ from evalharness.suite_schema import ServingEntry, SuiteFile, check_suite
 DATA_DIR_ENV = "EVALHARNESS_DATA_DIR"
 
 
+def _evals_under(evals: dict[str, Any], serving: str) -> dict[str, dict[str, Any]]:
+    """The evals that run under serving config `serving` (those whose `serving` list names it, or has none),
+    each without the `serving` key."""
+    out = {}
+    for k, v in evals.items():
+        cfg = dict(v or {})
+        only = cfg.pop("serving", None)
+        if only is None or serving in only:
+            out[k] = cfg
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """One cell of the matrix: everything needed to run it, fully resolved."""
@@ -250,6 +262,16 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
         check_degrees(entry_s, evals, f"{path}: serving[{i}]")
         servings.append(entry_s)
 
+    names = [s["name"] for s in servings]
+    for k, v in evals.items():
+        unknown = [n for n in (v or {}).get("serving") or [] if n not in names]
+        if unknown:
+            raise SuiteError(f"{path}: evals.{k}.serving names {unknown}, not serving configs of this suite "
+                             f"({', '.join(names)}); use their names")
+    for n in names:
+        if not _evals_under(evals, n):
+            raise SuiteError(f"{path}: serving config '{n}' runs no eval (every eval's `serving` list leaves it "
+                             "out); drop it or name it in an eval's `serving`")
     runs, skipped = [], []
     seen = set()
     for i, m in enumerate(models):
@@ -279,7 +301,7 @@ def load_suite(path: str | Path, sets: list[str] | None = None, data_dir: str | 
             for s in servings:
                 for b in backends:
                     runs.append(RunSpec(suite_name=str(checked.name), model=entry, recipe=r, serving=s, backend=b,
-                                        evals={k: dict(v or {}) for k, v in evals.items()}, seed=seed))
+                                        evals=_evals_under(evals, s["name"]), seed=seed))
     if not runs:
         raise SuiteError(f"{path}: nothing to run: {'; '.join(skipped) or 'empty matrix'}")
     return Suite(path=path.resolve(), raw=raw, data_dir=ddir, runs=runs, skipped=skipped,

@@ -31,7 +31,15 @@ NEEDS = {
 }
 
 
-class LayerError(Schema):
+class EvalSettings(Schema):
+    """What every eval takes: `serving`, the names of the suite's serving configs it runs under (default: all).
+    An eval whose results cannot differ between two serving configs (e.g. lm-eval tasks scored and decoded at a
+    fixed `tasks.batch_size`) runs under one of them instead of computing the same bits twice."""
+
+    serving: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+
+
+class LayerError(EvalSettings):
     windows: Pos = 2
     seq_len: Pos = 128
     bos: StrictBool = True
@@ -40,7 +48,7 @@ class LayerError(Schema):
     layer_local: StrictBool = False
 
 
-class PplKld(Schema):
+class PplKld(EvalSettings):
     seq_len: Pos = 128
     stride: Pos | None = None
     max_windows: Pos | None = 16
@@ -49,7 +57,7 @@ class PplKld(Schema):
     ref_topk: Pos | None = None
 
 
-class Invariance(Schema):
+class Invariance(EvalSettings):
     variants: Items | None = None
     windows: Pos = 4
     seq_len: Pos = 64
@@ -58,7 +66,7 @@ class Invariance(Schema):
     greedy_tokens: Pos = 8
 
 
-class Tasks(Schema):
+class Tasks(EvalSettings):
     tasks: Items | None = None
     limit: Union[Pos, Mapping] | None = None
     num_fewshot: Union[Annotated[StrictInt, Field(ge=0)], Mapping] | None = None
@@ -68,7 +76,7 @@ class Tasks(Schema):
     data_dir: StrictStr | None = None
 
 
-class Longctx(Schema):
+class Longctx(EvalSettings):
     parts: Items | None = None
     new_tokens: Pos = 1024
     prompt_lens: Items | None = None
@@ -87,7 +95,7 @@ class Longctx(Schema):
     bos: StrictBool = True
 
 
-class Threeway(Schema):
+class Threeway(EvalSettings):
     windows: Pos = 4
     seq_len: Pos = 128
     emulated: StrictStr = "cuda-emulated"
@@ -97,7 +105,7 @@ class Threeway(Schema):
     native_options: Mapping | None = None
 
 
-class Switching(Schema):
+class Switching(EvalSettings):
     modules: Items | None = None
     high: StrictStr = "bf16"
     windows: Pos = 4

@@ -57,3 +57,23 @@ def test_eval_settings_defaults_and_zero_fewshot():
     assert validate_eval_config("tasks", {"num_fewshot": 0})["num_fewshot"] == 0
     with pytest.raises(ValueError, match=r"evals.layer_error.windows must be a positive integer, got 0"):
         validate_eval_config("layer_error", {"windows": 0})
+
+
+def test_an_eval_runs_under_the_serving_configs_it_names():
+    """`evals.<name>.serving`: the eval runs only under those serving configs (the others' runs leave it out, with
+    the key itself never passed to the eval); unknown names, and a serving config left without any eval, are
+    errors naming the key."""
+    two = "serving=[{name: default, batch_size: 4}, {name: bs1, batch_size: 1}]"
+    suite = load_suite(SMOKE, sets=[two, "evals.layer_error.serving=[default]"])
+    by_serving = {}
+    for run in suite.runs:
+        by_serving.setdefault(run.serving["name"], set()).add(frozenset(run.evals))
+    assert by_serving["default"] == {frozenset({"layer_error", "ppl_kld"})}
+    assert by_serving["bs1"] == {frozenset({"ppl_kld"})}
+    assert all("serving" not in cfg for run in suite.runs for cfg in run.evals.values())
+    with pytest.raises(SuiteError, match=r"evals.layer_error.serving names \['bs2'\], not serving configs"):
+        load_suite(SMOKE, sets=[two, "evals.layer_error.serving=[bs2]"])
+    with pytest.raises(SuiteError, match="serving config 'bs1' runs no eval"):
+        load_suite(SMOKE, sets=[two, "evals.layer_error.serving=[default]", "evals.ppl_kld.serving=[default]"])
+    with pytest.raises(SuiteError, match="evals.ppl_kld.serving must be a list of serving configs, got 'default'"):
+        load_suite(SMOKE, sets=["evals.ppl_kld.serving=default"])
