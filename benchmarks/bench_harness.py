@@ -152,13 +152,23 @@ def eval_work(doc: dict, name: str, side: str) -> dict[str, int]:
 def write_suite(path: Path, base: dict, ckpt: Path, label: str, recipes: list[str], backend: str,
                 serving: list[str] | None) -> None:
     """The benchmark's suite: the base suite's evals, serving (those named in `serving`; all when None) and gate,
-    on the checkpoint."""
+    on the checkpoint. An eval that runs under named serving configs only (`serving`) keeps those of the chosen
+    ones, and is left out when none is chosen."""
+    configs = [c for c in base["serving"] if serving is None or c["name"] in serving]
+    names = {c["name"] for c in configs}
+    evals = {}
+    for k, v in base["evals"].items():
+        v = dict(v or {})
+        if v.get("serving") is not None:
+            v["serving"] = [n for n in v["serving"] if n in names]
+            if not v["serving"]:
+                continue
+        evals[k] = v
     suite = {"name": "bench-harness", "description": f"{label} random weights: the evaluations of "
              f"{base['name']} timed", "backend": backend, "seed": 0,
              "models": [{"name": label.lower(), "path": str(ckpt),
                          "corpus": "${data_dir}/text/wikitext2/wiki.test.raw"}],
-             "recipes": recipes, "serving": [c for c in base["serving"] if serving is None or c["name"] in serving],
-             "evals": base["evals"], "gate": base["gate"]}
+             "recipes": recipes, "serving": configs, "evals": evals, "gate": base["gate"]}
     path.write_text(yaml.safe_dump(suite, sort_keys=False))
 
 
