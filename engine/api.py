@@ -75,11 +75,8 @@ class Engine:
         self.hp_nx: Numerics | None = None
         self.hp_weights: dict | None = None
         self.parallel = parallel or ParallelConfig()
-        if self.parallel.size > 1:  # this rank's shard of the model (engine.parallel)
-            if backend == "cuda-native":
-                raise ParallelError(f"tp={self.parallel.tp}, ep={self.parallel.ep}: the cuda-native backend is not "
-                                    "tensor/expert parallel yet; use cuda-emulated (or tp=ep=1)")
-            from engine.parallel import ParallelContext
+        if self.parallel.size > 1:  # this rank's shard of the model (engine.parallel; cuda-native: its kernels on
+            from engine.parallel import ParallelContext  # the shards, engine.backends.native_parallel)
 
             ctx = ParallelContext(self.parallel, self.model.cfg, group, self.device)
             self.nx.parallel = ctx

@@ -47,6 +47,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.backends.native_parallel import NativeParallel
+from engine.backends.native_weight import NativeWeight, dense_experts, dense_values
 from engine.config import MoeConfig
 from engine.formats import QTensor, grouping, parse_spec, quantize
 from engine.numerics import _FLOAT_DTYPES, Numerics
@@ -87,46 +89,6 @@ NATIVE_FORMATS = NativeFormats(
     paged_out_quant="e4m3:1x128",
     moe=("e4m3:128x128", "e4m3:1x128"),
 )
-
-
-@dataclasses.dataclass
-class NativeWeight:
-    """A weight prepared once for the native kernels.
-
-    `q` is the recipe-format QTensor (None for a plain float weight, then held
-    in `kernel` in its dtype); `kernel` holds whatever the GEMM wrapper wants
-    (e.g. repacked MX data); `dense` is a lazily built fp32 dequantized copy
-    used only by fallbacks.
-    """
-
-    spec: str
-    shape: torch.Size
-    q: Optional[QTensor] = None
-    dense: Optional[torch.Tensor] = None
-    kernel: Optional[object] = None
-
-    def dequantize(self) -> torch.Tensor:
-        """fp32 (N, K) values of the weight (built on first use and kept: fallbacks only)."""
-        if self.dense is None:
-            self.dense = self.q.dequantize() if self.q is not None else self.kernel.float()
-        return self.dense
-
-    def storage_bytes(self) -> int:
-        """Bytes the weight occupies in its kernel format (data + scales; no fallback copy)."""
-        if self.q is None:
-            return self.kernel.numel() * self.kernel.element_size()
-        n = self.q.data.numel() * self.q.data.element_size()
-        return n + (0 if self.q.scale is None else self.q.scale.numel() * self.q.scale.element_size())
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the stored weight."""
-        return (self.q.data if self.q is not None else self.kernel).device
-
-
-def _dense(w: torch.Tensor | NativeWeight) -> torch.Tensor:
-    """The fp32 values of a prepared weight, native or not."""
-    return w.dequantize() if isinstance(w, NativeWeight) else w
 
 
 def _row_local(spec: str) -> bool:
@@ -185,7 +147,7 @@ def _consecutive(ts: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-class NativeNumerics(Numerics):
+class NativeNumerics(NativeParallel, Numerics):
     """`Numerics` with real GPU kernels at the dispatch points that have one (module docstring).
 
     `small_m`: token count at or below which linear layers use the decode
@@ -413,7 +375,7 @@ class NativeNumerics(Numerics):
                 self._count("lm_head", "native")
                 return y.reshape(*h.shape[:-1], w.shape[0])
         self._count("lm_head", "fallback")
-        return super().lm_head(h, _dense(w), fused)
+        return super().lm_head(h, dense_values(w), fused)
 
     # ----------------------------------------------------------------- quant
     def _quant_native(self, x: torch.Tensor, site: str, module: str, spec: str) -> bool:
@@ -477,8 +439,9 @@ class NativeNumerics(Numerics):
 
     # ---------------------------------------------------------------- linear
     def _native_gemm(self, xq: QTensor | torch.Tensor, w: NativeWeight, bias: torch.Tensor | None,
-                     module: str) -> torch.Tensor | None:
-        """Run the native GEMM for (input, weight) formats, or None (with the reason counted)."""
+                     module: str, partial: bool = False) -> torch.Tensor | None:
+        """Run the native GEMM for (input, weight) formats, or None (with the reason counted). `partial`: a
+        row-parallel GEMM's fp32 sum, without the bias and unrounded (`linear` finishes it)."""
         if self.recipe.accumulate != "fp32":
             self._count("linear", "fallback:accumulate=" + self.recipe.accumulate)
             return None
@@ -486,7 +449,7 @@ class NativeNumerics(Numerics):
         if out_spec not in _FLOAT_DTYPES:
             self._count("linear", "fallback:output=" + out_spec)
             return None
-        out_dtype = _FLOAT_DTYPES[out_spec]
+        out_dtype = torch.float32 if partial else _FLOAT_DTYPES[out_spec]
         x_spec = str(xq.spec) if isinstance(xq, QTensor) else "float"
         native = (x_spec in NATIVE_FORMATS.gemm.get(w.spec, ()) if isinstance(xq, QTensor)
                   else w.spec in NATIVE_FORMATS.float_input_gemm)
@@ -522,6 +485,9 @@ class NativeNumerics(Numerics):
                 y = self._mx_k.mx_linear(x2.to(torch.bfloat16), w.kernel if w.kernel is not None else w.q,
                                          bias=bias, out_dtype=out_dtype, policy=self.decode_policy,
                                          options=self.options)
+            elif partial:  # cuBLAS in a half dtype writes that dtype: a rounded partial sum
+                self._count("linear", f"fallback:row-parallel-{w.spec}")
+                return None
             else:  # float weight: cuBLAS in the weight's dtype (fp32 accumulate; TF32 off by the reference setup)
                 dt = w.kernel.dtype
                 y = F.linear(x2.to(dt), w.kernel, None if bias is None else bias.to(dt))
@@ -542,11 +508,15 @@ class NativeNumerics(Numerics):
                 xin = x.to(_FLOAT_DTYPES[in_spec])
             else:
                 xin = self.quant(x, input_site, module)
-            y = self._native_gemm(xin, w, bias, module)
+            # row-parallel (tensor parallelism): the fp32 partial sum is all-reduced before the bias and rounding
+            partial = self.parallel is not None and self.parallel.is_row_parallel(module)
+            y = self._native_gemm(xin, w, None if partial else bias, module, partial)
             if y is not None:
-                return y
+                return self.gemm_output(y.reshape(-1, y.shape[-1]), bias, module, y.shape[:-1]) if partial else y
             xd = xin.dequantize() if isinstance(xin, QTensor) else xin.float()
             return self._gemm(xd, w.dequantize(), bias, module)
+        if self.parallel is not None:  # a shard cut inside a scale group holds its emulated values
+            self._count("linear", "fallback:unaligned-shard")
         return super().linear(x, w, bias, module, input_site)
 
     def linears(self, x: torch.Tensor | QTensor, ws: Sequence[torch.Tensor | NativeWeight],
@@ -604,7 +574,7 @@ class NativeNumerics(Numerics):
     def _gemm(self, xd: torch.Tensor, w: torch.Tensor | NativeWeight, bias: torch.Tensor | None,
               module: str) -> torch.Tensor:
         """Emulated GEMM on a (possibly native) weight."""
-        return super()._gemm(xd, _dense(w), bias, module)
+        return super()._gemm(xd, dense_values(w), bias, module)
 
     # ------------------------------------------------------------- attention
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -638,27 +608,43 @@ class NativeNumerics(Numerics):
     # ------------------------------------------------------------------- MoE
     def moe(self, x: torch.Tensor, xq: QTensor, router_w: torch.Tensor, correction_bias: torch.Tensor | None,
             experts: Sequence[tuple], cfg: MoeConfig, module: str, tap: str) -> torch.Tensor:
-        """Sorted-by-expert grouped FP8 GEMMs for block-FP8 experts, else the emulation."""
-        specs = {e.spec for ex in experts for e in ex if isinstance(e, NativeWeight)}
+        """Sorted-by-expert grouped FP8 GEMMs for block-FP8 experts, else the emulation. Under expert parallelism
+        the rows travel (`engine.parallel.ParallelContext.moe`) and this rank's experts run in `run_dispatched`."""
+        why = self._moe_fallback(xq, experts, module)
+        if why is not None:
+            self._count("moe", "fallback:" + why)
+            return super().moe(x, xq, router_w, correction_bias, dense_experts(experts), cfg, module, tap)
+        if self.parallel is not None and self.parallel.ep > 1:
+            weights, ids = self.route_tokens(x, router_w, correction_bias, cfg, module, tap)  # (tokens, k)
+            return self.parallel.moe(self, xq, weights, ids, experts, module)
+        from engine.kernels import moe as moe_k
+
+        n, d = x.shape
+        weights, ids = self.route_tokens(x, router_w, correction_bias, cfg, module, tap)  # (tokens, k)
+        stacks, out_dtype = self._expert_stacks(experts, module)
+        y = moe_k.grouped_fp8_moe(xq.data.reshape(n, d), xq.scale.reshape(n, -1), *stacks, weights, ids,
+                                  mode="block", out_dtype=out_dtype)
+        self._count("moe", "native")
+        return y.float()
+
+    def _moe_fallback(self, xq: QTensor, experts: Sequence[tuple | None], module: str) -> Optional[str]:
+        """Why the routed experts of `module` cannot run on the grouped FP8 GEMMs (None: they can)."""
+        specs = {e.spec for ex in experts if ex is not None for e in ex if isinstance(e, NativeWeight)}
         in_spec = str(xq.spec)
         w_spec, x_spec = NATIVE_FORMATS.moe
         ok = (specs == {w_spec} and in_spec == x_spec and self.recipe.accumulate == "fp32"
               and self.observer is None and self._rowwise_spec(
                   "moe.input", [f"{module}.experts.{e}.down_proj" for e in range(len(experts))]) == x_spec)
-        if not ok:
-            self._count("moe", "fallback:" + (",".join(sorted(specs)) or "float") + "/" + in_spec)
-            dense = [tuple(_dense(t) for t in ex) for ex in experts]
-            return super().moe(x, xq, router_w, correction_bias, dense, cfg, module, tap)
+        return None if ok else (",".join(sorted(specs)) or "float") + "/" + in_spec
+
+    def _expert_stacks(self, experts: Sequence[tuple | None], module: str) -> tuple[tuple, torch.dtype]:
+        """(gate, up, down) of the experts held here stacked once per layer -- (E, N, K) FP8 + (E, N/128, K/128)
+        scales -- and the GEMMs' output dtype (the experts' `linear.output`)."""
         from engine.kernels import moe as moe_k
 
-        n, d = x.shape
-        weights, ids = self.route_tokens(x, router_w, correction_bias, cfg, module, tap)  # (tokens, k)
         stacks = self._moe_stacks.get(module)
-        if stacks is None:  # (gate, up, down) stacked once per layer: (E, N, K) FP8 + (E, N/128, K/128) scales
-            stacks = tuple(moe_k.stack_expert_weights([ex[j].q for ex in experts]) for j in range(3))
+        if stacks is None:
+            stacks = tuple(moe_k.stack_expert_weights([ex[j].q for ex in experts if ex is not None]) for j in range(3))
             self._moe_stacks[module] = stacks
-        out_dtype = _FLOAT_DTYPES.get(self.recipe.spec("linear.output", module + ".experts"), torch.bfloat16)
-        y = moe_k.grouped_fp8_moe(xq.data.reshape(n, d), xq.scale.reshape(n, -1), *stacks, weights, ids,
-                                  mode="block", out_dtype=out_dtype)
-        self._count("moe", "native")
-        return y.float()
+        return stacks, _FLOAT_DTYPES.get(self.recipe.spec("linear.output", module + ".experts"), torch.bfloat16)
+
