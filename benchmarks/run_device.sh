@@ -67,10 +67,16 @@ for part in $parts; do
     tests-engine)  # the engine-level GPU tests only (whole models, runtime, formats; the kernels' tests left out)
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
         tests/engine --ignore=tests/engine/kernels ;;
-    parallel)  # issue 9 on >= 2 GPUs: the TP/EP tests (gloo and NCCL), then suites/parallel.yaml under torchrun + NCCL
+    parallel)  # >= 2 GPUs: the TP/EP tests (gloo and NCCL; cuda-emulated and cuda-native, the latter writing
+      # $OUT/parallel_native.json), then suites/parallel.yaml under torchrun + NCCL on each cuda backend
       run parallel_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s tests/engine/test_parallel.py
+      run parallel_native_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
+        tests/engine/test_parallel_native.py
       run suite_parallel 300 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
-        --master-port 29533 -m evalharness.cli run suites/parallel.yaml --device cuda --out "$OUT/parallel" --no-tracking ;;
+        --master-port 29533 -m evalharness.cli run suites/parallel.yaml --device cuda --out "$OUT/parallel" --no-tracking
+      run suite_parallel_native 300 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
+        --master-port 29534 -m evalharness.cli run suites/parallel.yaml --backend cuda-native \
+        --out "$OUT/parallel-native" --no-tracking ;;
     bench)
       run bench_quant_kernels 120 python benchmarks/bench_quant_kernels.py --out "$OUT/bench_quant_kernels.txt"
       run bench_gemm 150 python benchmarks/bench_gemm.py
