@@ -72,14 +72,28 @@ def stage_names(cfg: ModelConfig, stage: Stage) -> list[str]:
     return names
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
-    """An FP8 weight (out, in) with block scales (ceil(out/bo), ceil(in/bi)) as fp32 on w's device."""
+def fp8_block_size(hf_config: Mapping[str, Any], where: str) -> tuple[int, int]:
+    """The (rows, columns) of an FP8 checkpoint's scale blocks: config.json's
+    ``quantization_config.weight_block_size`` (DeepSeek-V3 writes [128, 128]), else 128 x 128."""
+    q = hf_config.get("quantization_config") or {}
+    size = q.get("weight_block_size", [128, 128]) if isinstance(q, Mapping) else [128, 128]
+    if (not isinstance(size, (list, tuple)) or len(size) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+        raise WeightsError(f"{where}: config.json quantization_config.weight_block_size must be two positive "
+                           f"integers (rows, columns), got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """An FP8 weight (out, in) with one scale per `block` (rows, columns; partial blocks at the edges), shape
+    (ceil(out/rows), ceil(in/cols)), as fp32 on w's device."""
     out, inn = w.shape
-    so, si = scale_inv.shape
-    bo, bi = -(-out // so), -(-inn // si)
-    if -(-out // bo) != so or -(-inn // bi) != si:
-        raise WeightsError(f"tensor '{name}': scale_inv shape {tuple(scale_inv.shape)} does not tile the weight "
-                           f"{tuple(w.shape)} in blocks; re-export the checkpoint")
+    bo, bi = block
+    if tuple(scale_inv.shape) != (-(-out // bo), -(-inn // bi)):
+        raise WeightsError(f"tensor '{name}': scale_inv shape {tuple(scale_inv.shape)} is not one scale per "
+                           f"{bo}x{bi} block of the weight {tuple(w.shape)} (expected {(-(-out // bo), -(-inn // bi))}; "
+                           "config.json quantization_config.weight_block_size gives the block); re-export the "
+                           "checkpoint")
     s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]  # (out, in)
     return w.float() * s
 
@@ -189,7 +203,7 @@ class LayerStore:
             if scale is None:
                 raise WeightsError(f"{self.where}: FP8 tensor '{name}' has no '{name}_scale_inv'; only FP8 "
                                    "checkpoints with block scales (DeepSeek-V3's layout) are read")
-            return _dequant_fp8(t, scale.to(device), name)
+            return _dequant_fp8(t, scale.to(device), fp8_block_size(self.hf_config, self.where), name)
         return t
 
     def load(self, stage: Stage, device: torch.device | str) -> dict[str, torch.Tensor]:
