@@ -411,10 +411,27 @@ def gate_results(results_dir: str | Path, baselines_dir: str | Path, gate_cfg: d
                 seen.add(metric)
                 noise = _noise(rule, metric, doc, base, docs, cfg)
                 verdicts.append(_check_metric(key, metric, rule, doc, base, cfg["alpha"], noise, rule_index=i))
+        if base is not None:
+            verdicts += _lost_metrics(key, doc, base, cfg["rules"])
     _correct(verdicts, cfg)
     if missing and allow_missing:
         missing = []
     return verdicts, missing + mismatched
+
+
+def _lost_metrics(key: str, doc: dict, base: dict, rules: list[dict[str, Any]]) -> list[Verdict]:
+    """A gated metric of the baseline that this result lacks: the eval, tap or task that produced it did not run
+    (or no longer reports it). Judged by the first rule matching it, with that rule's severity."""
+    out = []
+    for metric in sorted(set(base["metrics"]) - set(doc["metrics"])):
+        for i, rule in enumerate(rules):
+            if fnmatch.fnmatchcase(metric, rule["metric"]):
+                sev = "FAIL" if rule.get("severity", "fail") == "fail" else "WARN"
+                out.append(Verdict(key, metric, sev, baseline=base["metrics"][metric],
+                                   rule=f"rules[{i}]: {describe_rule(rule)}", mode=rule_mode(rule),
+                                   message="in the baseline, absent from this result: what produced it did not run"))
+                break
+    return out
 
 
 def _correct(verdicts: list[Verdict], cfg: dict[str, Any]) -> None:

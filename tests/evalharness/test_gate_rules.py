@@ -331,3 +331,21 @@ def test_verdict_json_roundtrip(tmp_path):
     v = gate_results(res, base)[0][0]
     d = json.loads(json.dumps(v.to_dict()))
     assert d["verdict"] == "FAIL" and d["evidence"].startswith("value=2") and d["threshold"] == pytest.approx(0.1)
+
+
+def test_a_gated_metric_the_result_lost_is_judged_by_its_rule(tmp_path):
+    """A metric of the baseline that a rule gates but the result lacks (its eval, tap or task did not run): FAIL
+    under a fail rule, WARN under a warn rule, nothing for a metric no rule gates or that both lack."""
+    gate = {"rules": [{"metric": "tasks.*.acc_eng", "direction": "higher", "abs_tol": 0.02},
+                      {"metric": "layer_error.*.rel_l2", "abs_tol": 1e-4, "severity": "warn"}]}
+    base_m = {"tasks.arc.acc_eng": 0.6, "tasks.mmlu.acc_eng": 0.5, "layer_error.l0.rel_l2": 0.01, "other.x": 1.0}
+    cur_m = {"tasks.arc.acc_eng": 0.6}
+    res, base = _write(tmp_path, gate, {"m__r": (cur_m, {})}, {"m__r": (base_m, {})})
+    verdicts, _ = gate_results(res, base)
+    by = {v.metric: v for v in verdicts}
+    assert by["tasks.arc.acc_eng"].verdict == "PASS"
+    lost = by["tasks.mmlu.acc_eng"]
+    assert lost.verdict == "FAIL" and lost.baseline == 0.5 and lost.value is None
+    assert "absent from this result" in lost.message and lost.rule.startswith("rules[0]")
+    assert lost.evidence().startswith("value=n/a, baseline=0.5")
+    assert by["layer_error.l0.rel_l2"].verdict == "WARN" and "other.x" not in by
