@@ -163,50 +163,50 @@ def _fp32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32
 
 
-def _round_toward_zero(orig):
-    """Element rounding toward zero instead of to nearest even (float formats with a zero)."""
+def _element_fault(orig, applies, change):
+    """A fault of `round_with_overflow` (the element rounding of every float format): the original's (values,
+    overflow), then, for formats where `applies(format)`, values replaced by `change(x, values, overflow, format)`."""
     from engine.formats import get_format
-    from engine.formats._bits import exp2i, floor_log2
 
     def fault(x, fmt, *, rounding="rne", generator=None, saturate=True):
         vals, overflow = orig(x, fmt, rounding=rounding, generator=generator, saturate=saturate)
         f = get_format(fmt)
-        if f.is_integer or not f.has_zero:
-            return vals, overflow
+        return (change(x, vals, overflow, f) if applies(f) else vals), overflow
+    return fault
+
+
+def _float_with_zero(f) -> bool:
+    """A float format that holds zero (where rounding toward zero and subnormals mean something)."""
+    return not f.is_integer and f.has_zero
+
+
+def _round_toward_zero(orig):
+    """Element rounding toward zero instead of to nearest even (float formats with a zero)."""
+    from engine.formats._bits import exp2i, floor_log2
+
+    def change(x, vals, overflow, f):
         xf = x.to(torch.float32)
         a = xf.abs()
         q = exp2i(torch.clamp(floor_log2(torch.where(torch.isfinite(a), a, torch.zeros_like(a))), min=f.emin)
                   - f.mbits)
         mag = torch.minimum(torch.floor(a / q) * q, torch.full_like(a, f.max_normal))
         rtz = torch.where(xf < 0, -mag, mag)
-        return torch.where(torch.isfinite(xf) & ~overflow, rtz, vals), overflow
-    return fault
+        return torch.where(torch.isfinite(xf) & ~overflow, rtz, vals)
+    return _element_fault(orig, _float_with_zero, change)
 
 
 def _saturate_wraps(orig):
     """An overflowing element wraps to the opposite sign's largest value instead of saturating."""
-    from engine.formats import get_format
-
-    def fault(x, fmt, *, rounding="rne", generator=None, saturate=True):
-        vals, overflow = orig(x, fmt, rounding=rounding, generator=generator, saturate=saturate)
-        f = get_format(fmt)
-        if not f.signed:
-            return vals, overflow
-        return torch.where(overflow, -torch.sign(x.float()) * f.max_normal, vals), overflow
-    return fault
+    return _element_fault(orig, lambda f: f.signed,
+                          lambda x, vals, overflow, f: torch.where(overflow, -torch.sign(x.float()) * f.max_normal,
+                                                                   vals))
 
 
 def _flush_subnormals(orig):
     """Elements below the format's smallest normal flush to zero (no subnormals)."""
-    from engine.formats import get_format
-
-    def fault(x, fmt, *, rounding="rne", generator=None, saturate=True):
-        vals, overflow = orig(x, fmt, rounding=rounding, generator=generator, saturate=saturate)
-        f = get_format(fmt)
-        if f.is_integer or not f.has_zero:
-            return vals, overflow
-        return torch.where(vals.abs() < f.min_normal, torch.zeros_like(vals), vals), overflow
-    return fault
+    return _element_fault(orig, _float_with_zero,
+                          lambda x, vals, overflow, f: torch.where(vals.abs() < f.min_normal,
+                                                                   torch.zeros_like(vals), vals))
 
 
 def _amax_wrong_group(orig):
