@@ -297,9 +297,7 @@ class Numerics:
         and quantizes it for o_proj returns that quantization as `fused` (None here). The emulation writes through the formats library (a KV format the pages do not
         hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
         rt, t = view.rt, q.shape[2]
-        if rt.store_emulated:
-            k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
-        rt.kv.write(layer, view.seq_ids, view.start, k, v)
+        self._paged_write(view, layer, k, v, module)
         q_pos = view.positions(t)
         outs = []
         for b, (sid, st) in enumerate(zip(*view.host_rows())):
@@ -309,6 +307,13 @@ class Numerics:
                                        window))
         return torch.cat(outs), None
 
+    def _paged_write(self, view, layer: int, k: torch.Tensor, v: torch.Tensor, module: str) -> None:
+        """This call's K/V into the pages of `view` through the formats library (a KV format the pages do not hold
+        is stored as `kv_store`'s values in fp32 pages)."""
+        if view.rt.store_emulated:
+            k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
+        view.rt.kv.write(layer, view.seq_ids, view.start, k, v)
+
     def paged_attention_rows(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                              window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
         """`paged_attention` on float pages without a host read: every row attends over its sequence's pages up to
@@ -317,9 +322,7 @@ class Numerics:
         run over the capacity's keys (the masked ones contribute exact zeros), so the last bits can differ from
         the gathered-per-row path. The native backend's attention on fp32 pages, which its kernels do not read."""
         rt, t = view.rt, q.shape[2]
-        if rt.store_emulated:
-            k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
-        rt.kv.write(layer, view.seq_ids, view.start, k, v)
+        self._paged_write(view, layer, k, v, module)
         kb, vb = rt.kv.gather_rows(layer, view.seq_ids, rt.kv.max_blocks_per_seq)
         k_pos = torch.arange(kb.shape[2], device=q.device)
         return Numerics.attention(self, q, kb, vb, view.positions(t), k_pos, module, window), None
@@ -374,8 +377,8 @@ class Numerics:
             return self.parallel.moe(self, xq, weights, ids, experts, module)
         plan = dispatch_plan(ids, cfg.num_experts)
         xs = xq.dequantize().reshape(n, d).index_select(0, plan.token)  # (tokens*k, d), expert-contiguous
-        y = self.run_experts(xs, plan.counts, experts, module) * weights.reshape(-1)[plan.order, None]  # (tokens*k, d)
-        return torch.zeros(n, d, device=x.device).index_add_(0, plan.token, y)  # (tokens, d)
+        # the emulation's combine (index_add), also where a backend's moe falls back here
+        return Numerics.combine_dispatched(self, self.run_experts(xs, plan.counts, experts, module), weights, ids, plan)
 
     def run_dispatched(self, xq: QTensor, data: torch.Tensor, scales: torch.Tensor | None, counts: Sequence[int],
                        experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
