@@ -236,12 +236,17 @@ def _check_margin_test(rule: dict[str, Any], cur: dict, base: dict, v: Verdict, 
     v.verdict = "PASS" if ok else sev
 
 
+def _severity(rule: dict[str, Any]) -> str:
+    """The verdict a rule gives a regression: FAIL, or WARN for an advisory rule (`severity: warn`)."""
+    return "FAIL" if rule.get("severity", "fail") == "fail" else "WARN"
+
+
 def _check_metric(run_key: str, metric: str, rule: dict[str, Any], cur: dict, base: dict | None,
                   alpha: float, noise: tuple[float | None, str] = (None, "not requested"),
                   rule_index: int | None = None) -> Verdict:
     """Apply one rule to one metric of one run."""
     value = cur["metrics"].get(metric)
-    sev = "FAIL" if rule.get("severity", "fail") == "fail" else "WARN"
+    sev = _severity(rule)
     mode = rule_mode(rule)
     label = f"rules[{rule_index}]: " if rule_index is not None else ""
     v = Verdict(run_key, metric, "PASS", value=value, rule=label + describe_rule(rule), mode=mode,
@@ -426,8 +431,7 @@ def _lost_metrics(key: str, doc: dict, base: dict, rules: list[dict[str, Any]]) 
     for metric in sorted(set(base["metrics"]) - set(doc["metrics"])):
         for i, rule in enumerate(rules):
             if fnmatch.fnmatchcase(metric, rule["metric"]):
-                sev = "FAIL" if rule.get("severity", "fail") == "fail" else "WARN"
-                out.append(Verdict(key, metric, sev, baseline=base["metrics"][metric],
+                out.append(Verdict(key, metric, _severity(rule), baseline=base["metrics"][metric],
                                    rule=f"rules[{i}]: {describe_rule(rule)}", mode=rule_mode(rule),
                                    message="in the baseline, absent from this result: what produced it did not run"))
                 break
