@@ -25,7 +25,8 @@ site_packages() {  # the carried packages (benchmarks/device_carry.sh) unpacked 
 export PYTHONPATH=$PWD
 if [ -f .carry/site.tar.xz ]; then site_packages && export PYTHONPATH=/tmp/site:$PWD; fi
 parts=${*:-tests bench e2e suites}
-if [ -f .carry/data.tar.xz ]; then  # python's tarfile: no dependence on an xz binary there
+if [ -f .carry/data.tar.xz ] && [ ! -f .carry/data/README.md ]; then  # once per machine (parts may run side by
+  # side); python's tarfile: no dependence on an xz binary there
   python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('.carry/data', filter='data')" ||
     echo "data: unpacking .carry/data.tar.xz failed"
 fi

@@ -91,7 +91,7 @@ def test_native_quantizer_is_bit_exact(recipe, spec):
 def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel(monkeypatch):
     """zoo-llama (hidden 256: K/128 = 2, not a multiple of 4) through the legacy `_scaled_mm` blockwise call
     (planted by tests/support/legacy_scaled_mm.py): silently wrong GEMMs; the three-way comparison attributes the
-    error to the kernel at layer 0's q."""
+    error to the kernel at layer 0's q/k/v GEMM."""
     from engine import api
     from engine.api import Engine
     from engine.loading import load_model
@@ -118,7 +118,11 @@ def test_legacy_scaled_mm_trap_is_caught_and_blamed_on_the_kernel(monkeypatch):
     print("legacy:", {k: v for k, v in broken.items() if not k.startswith("tap.")}, s["first_kernel_tap"])
     print("fixed:", {k: v for k, v in good.items() if not k.startswith("tap.")}, s_good["first_kernel_tap"])
     assert broken["attribution"] == 1.0 and broken["kernel.kld_mean"] > 10 * broken["format.kld_mean"]
-    assert s["first_kernel_tap"] == ["layers.0.attn.q"]
+    # q/k/v run as one GEMM on the stacked weights: the blame lands on one of its three outputs in layer 0 (which one
+    # depends on where the misread scales fall), far above that tap's format error
+    [first] = s["first_kernel_tap"]
+    assert first in ("layers.0.attn.q", "layers.0.attn.k", "layers.0.attn.v"), first
+    assert broken[f"tap.{first}.kernel_rel_l2"] > 10 * broken[f"tap.{first}.format_rel_l2"]
     assert good["attribution"] == 0.0 and s_good["first_kernel_tap"] == []
 
 

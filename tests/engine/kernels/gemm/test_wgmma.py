@@ -440,7 +440,7 @@ def test_wgmma_entries_dispatch_with_the_split_k_bits(spy, monkeypatch):
     """The H200 entry for 4096x14336 at BM 16 runs the wgmma kernel (4 splits, the rule's stages) at M = 4 and 16 and
     gives the bits the split-K entry before it gave (4 splits of 64-row tiles, fused reduce); wgmma=False alone keeps
     the entry's split count on the split-K kernel, with the same bits again."""
-    monkeypatch.setattr(spy, "_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(P, "_device_name", lambda *a: "NVIDIA H200")
     for m in (4, 16):
         xd, xs, wd, ws = block_operands(m, 4096, 14336, seed=40 + m)
         out = spy.fp8_block_linear(xd, xs, wd, ws, out_dtype=torch.float32)
