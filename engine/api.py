@@ -202,9 +202,10 @@ class Engine:
             nx.tap, nx.observer, nx.local = None, None, None
 
     def runtime_serves(self) -> bool:
-        """Whether `generate_batch` decodes through the paged serving runtime (GQA / MQA models in one process);
-        otherwise it decodes on the contiguous cache (`engine.generation.contiguous_generate`)."""
-        return self.cfg.mla is None and self.parallel.size == 1
+        """Whether `generate_batch` decodes through the paged serving runtime (every model, in one process);
+        otherwise (tensor / expert parallelism) it decodes on the contiguous cache
+        (`engine.generation.contiguous_generate`)."""
+        return self.parallel.size == 1
 
     @torch.no_grad()
     def generate_batch(self, requests: Sequence[GenerationRequest], serving: ServingConfig | None = None,
@@ -215,9 +216,9 @@ class Engine:
 
         `serving` (default `self.serving`): batch size (`max_batch`), page size, chunked prefill, CUDA graphs;
         its `max_tokens` is sized to the requests here, and `max_batch` (when given) replaces its batch size.
-        GQA / MQA models go through the paged runtime
-        (continuous batching, KV pages in the recipe's cache format); the others decode on the contiguous cache,
-        requests of equal prompt length together. `step_stats`: per generated token, the entropy and top-2
+        A single-process engine goes through the paged runtime
+        (continuous batching, KV pages in the recipe's cache format); a tensor / expert-parallel one decodes on the
+        contiguous cache, requests of equal prompt length together. `step_stats`: per generated token, the entropy and top-2
         margin of its distribution; `keep_logits`: the step logits too (small models only); `on_done(n)`: n more
         requests finished (a progress bar).
         """

@@ -1,10 +1,10 @@
 """Batched greedy generation: request and result records, per-step statistics, and the decode loop on a contiguous
-KV cache for the models the paged runtime does not serve.
+KV cache for the engines the paged runtime does not serve.
 
 Every evaluation that generates submits all its requests at once (`Engine.generate_batch`, and the FP32
-reference's `generate_batch` in the harness): GQA / MQA models decode through the paged serving runtime
+reference's `generate_batch` in the harness): single-process engines decode through the paged serving runtime
 (`engine.runtime.PagedRuntime.serve`: continuous batching over KV pages in the recipe's cache format, CUDA graphs
-on the GPU); MLA models and tensor / expert-parallel engines decode here, on the contiguous cache of
+on the GPU for GQA / MQA); tensor / expert-parallel engines decode here, on the contiguous cache of
 `Engine.generate`, requests of equal prompt length together (no padding, so batch-invariant recipes give the bits
 of one request at a time).
 

@@ -314,6 +314,17 @@ class Numerics:
             k, v = self.kv_store(k, "kv.k", module), self.kv_store(v, "kv.v", module)
         view.rt.kv.write(layer, view.seq_ids, view.start, k, v)
 
+    def paged_latent(self, view, layer: int, k_pe: torch.Tensor, c_kv: torch.Tensor,
+                     module: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """MLA on the paged runtime: store this call's RoPE'd key k_pe (batch, 1, t, rope) and normed latent c_kv
+        (batch, 1, t, kv_lora_rank) in the pages of `view` as `paged_attention` stores K and V (sites `kv.k` /
+        `kv.v`), then return each row's cached key and latent up to this call's last token, ((1, 1, n, rope),
+        (1, 1, n, kv_lora_rank)) fp32 values with n = its start + t (the rows' positions read on the host once per
+        forward). Every backend: no kernel reads MLA pages; the keys and values are rebuilt per row by kv_b_proj."""
+        self._paged_write(view, layer, k_pe, c_kv, module)
+        t = k_pe.shape[2]
+        return [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
+
     def paged_attention_rows(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                              window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:
         """`paged_attention` on float pages without a host read: every row attends over its sequence's pages up to

@@ -1,6 +1,6 @@
 """The serving runtime: many requests over a paged KV cache, chunked prefill, batched decode, CUDA graphs.
 
-`PagedRuntime` wraps an `Engine` (any backend) for GQA/MQA models. Each
+`PagedRuntime` wraps an `Engine` (any backend, one process). Each
 request gets a sequence slot in a `PagedKVCache` (pages of `kv_block_size`
 tokens, K/V stored in the recipe's cache formats: FP8 with per-head K scales
 and 1x128 V scales, bf16 or fp32; any other KV format is stored as the
@@ -10,9 +10,12 @@ all live requests decode together, one token per step, each at its own
 position. On `cuda-native` the attention reads the pages directly (Triton
 paged decode kernel); the emulated backends gather each sequence's pages and
 run the emulated attention (so the runtime is tested on the CPU in CI, and
-its only numerical difference from `Engine.generate` is batch composition). With `cuda_graphs`, the
+its only numerical difference from `Engine.generate` is batch composition). MLA models keep their RoPE'd
+key and latent in the pages (one K head, the latent as V) and rebuild each sequence's keys and values from
+them per step, as `Engine.generate` does on its contiguous latent cache. With `cuda_graphs`, the
 decode step of each batch size is captured once and replayed (static token,
-slot and position buffers; no host sync inside a step).
+slot and position buffers; no host sync inside a step; GQA/MQA on a backend whose paged attention reads
+nothing on the host).
 
 The serving configuration is frozen data (`ServingConfig`), so a suite can
 sweep it and the invariance eval can compare two configurations.
@@ -82,9 +85,6 @@ class PagedRuntime:
         if getattr(engine, "parallel", None) is not None and engine.parallel.size > 1:
             raise ValueError("PagedRuntime serves single-process engines (tp=ep=1); its pages are sized for the "
                              "whole model's KV heads")
-        if cfg.mla is not None:
-            raise ValueError("PagedRuntime serves GQA/MQA models; MLA models use Engine.generate's contiguous "
-                             "latent cache")
         self.engine, self.config, self.device = engine, config, engine.device
         if config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs the cuda-emulated or cuda-native backend")
@@ -98,20 +98,24 @@ class PagedRuntime:
         else:
             dtype, kw = torch.float32, {}
         self.store_emulated = dtype == torch.float32 and not (ks == vs == "fp32")
+        # MLA pages hold the RoPE'd key as one K head and the latent as V (`Numerics.paged_latent`); no kernel reads them
+        mla = cfg.mla
         # whether the backend's kernels attend on these pages in place (`Numerics.pages_native`)
-        self.native_attention = engine.nx.pages_native(dtype)
-        # The emulation's gathered-page attention reads each sequence's length on the host, which a CUDA graph
-        # cannot hold: only a backend whose paged attention reads nothing on the host (`Numerics.paged_graphs`)
+        self.native_attention = mla is None and engine.nx.pages_native(dtype)
+        # The emulation's gathered-page attention (and MLA's) reads each sequence's length on the host, which a CUDA
+        # graph cannot hold: only a backend whose paged attention reads nothing on the host (`Numerics.paged_graphs`)
         # captures its decode steps (`graphs`); the others run eager, counted in the engine's work as decode steps
         # without `decode_graph_steps`.
-        self.graphs = config.cuda_graphs and engine.nx.paged_graphs(dtype)
+        self.graphs = config.cuda_graphs and mla is None and engine.nx.paged_graphs(dtype)
         per_seq = -(-config.max_tokens // config.kv_block_size)
         mb = config.max_batch
         # slots [0, max_batch) serve requests; with CUDA graphs, slots [max_batch, 2*max_batch) are scratch
         # sequences (one page each) that the warm-up and capture write into, never a live request's pages
         scratch = mb if self.graphs else 0
+        heads, dims = ((1, (mla.qk_rope_head_dim, mla.kv_lora_rank)) if mla is not None else
+                       (cfg.num_kv_heads, (cfg.head_dim, cfg.head_dim)))
         self.kv = PagedKVCache(cfg.num_layers, (num_blocks or per_seq * mb) + scratch, config.kv_block_size,
-                               cfg.num_kv_heads, cfg.head_dim, dtype=dtype, max_seqs=mb + scratch,
+                               heads, *dims, dtype=dtype, max_seqs=mb + scratch,
                                max_blocks_per_seq=per_seq, device=self.device, **kw)
         for slot in range(mb, mb + scratch):
             self.kv.allocate(slot, 1)

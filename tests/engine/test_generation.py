@@ -1,5 +1,6 @@
-"""Batched generation (`Engine.generate_batch`): the paged runtime's continuous batching (GQA) and the contiguous
-cache (MLA) against one request at a time, with per-request budgets and stop ids."""
+"""Batched generation (`Engine.generate_batch`): the paged runtime's continuous batching (GQA pages, and MLA's
+latent pages) and the contiguous cache of tensor / expert-parallel engines against one request at a time, with
+per-request budgets and stop ids."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from engine.loading import load_model
 from engine.model import Transformer
 from engine.serving import ServingConfig
 from tests.conftest import REPO
+from tests.support.batch_invariance import parted_within_invariance
 
 pytestmark = pytest.mark.numerics
 
 
 @pytest.fixture(scope="module")
 def zoo() -> dict[str, Transformer]:
-    """zoo-llama (GQA: the paged runtime) and zoo-moe (MLA: the contiguous cache)."""
+    """zoo-llama (GQA) and zoo-moe (MLA + MoE)."""
     out = {}
     for name in ("zoo-llama", "zoo-moe"):
         loaded = load_model(str(REPO / "zoo" / name))
@@ -43,11 +45,12 @@ def _requests(seed: int = 0, stops: bool = False) -> list[GenerationRequest]:
 @pytest.mark.parametrize("model", ["zoo-llama", "zoo-moe"])
 @pytest.mark.parametrize("batch,chunk", [(4, None), (3, 7), (16, None)])
 def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
-    """Under fp32, continuous batching (GQA) and equal-length batches (MLA) give every request the tokens of
-    `Engine.generate` alone, budgets and stop ids included; step statistics match its logits. `on_done` hears of
-    every request as it finishes (a progress bar that moves during the decode, not once at the end)."""
+    """Under fp32, continuous batching on the paged runtime (GQA pages; MLA's key + latent pages) gives every
+    request the tokens of `Engine.generate` alone, budgets and stop ids included; step statistics match its
+    logits. `on_done` hears of every request as it finishes (a progress bar that moves during the decode, not once
+    at the end)."""
     eng = Engine(zoo[model], "fp32")
-    assert eng.runtime_serves() == (model == "zoo-llama")
+    assert eng.runtime_serves()
     reqs = _requests(stops=True)
     done: list[int] = []
     gens = eng.generate_batch(reqs, ServingConfig(max_batch=batch, prefill_chunk=chunk), step_stats=True,
@@ -62,6 +65,44 @@ def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
         assert g.entropy == pytest.approx(ent.tolist(), abs=1e-4) and g.margin == pytest.approx(margin.tolist(),
                                                                                                  abs=1e-3)
     assert stopped >= 1  # some request ended on a stop id before its budget
+
+
+@pytest.mark.parametrize("model", ["zoo-llama", "zoo-moe"])
+def test_contiguous_cache_batches_equal_lengths_as_one_at_a_time(zoo, model):
+    """The contiguous-cache decode (tensor / expert-parallel engines) under fp32: requests of equal prompt length
+    decode together, each with the tokens of `Engine.generate` alone."""
+    from engine.generation import contiguous_generate
+
+    eng = Engine(zoo[model], "fp32")
+    reqs = _requests(seed=2, stops=True)
+    gens = contiguous_generate(eng, reqs, 4)
+    assert [g.tokens for g in gens] == [eng.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids)
+                                        for r in reqs]
+
+
+def test_mla_pages_hold_the_cache_format_and_serve_in_batches(zoo):
+    """zoo-moe (MLA) on the paged runtime under fp8-kv: the pages are FP8 (the RoPE'd key as one K head with its
+    per-head scales, the latent as V in 1x128 groups), a sequence's pages give back the values the contiguous cache
+    holds (`Numerics.kv_store`) for the same single request, and the decode ran batched (more rows than steps)."""
+    eng = Engine(zoo["zoo-moe"], "fp8-kv")
+    m = eng.cfg.mla
+    reqs = [GenerationRequest(r.prompt, 6) for r in _requests(seed=4)[:5]]
+    eng.work.clear()
+    eng.generate_batch(reqs, ServingConfig(max_batch=4))
+    rt = eng._runtime
+    assert rt.kv.fp8 and (rt.kv.kv_heads, rt.kv.head_dim, rt.kv.head_dim_v) == (1, m.qk_rope_head_dim,
+                                                                                m.kv_lora_rank)
+    assert eng.work["decode_rows"] > eng.work["decode_steps"]
+    # one request alone: its pages against the contiguous cache of Engine.generate's prefill
+    from engine.attention import KVCache
+
+    prompt = list(reqs[0].prompt)
+    eng.generate_batch([GenerationRequest(tuple(prompt), 1)], ServingConfig(max_batch=1))
+    cache = KVCache.empty(eng.cfg, 1, len(prompt), eng.device)
+    eng.model.forward(eng.nx, eng.weights, torch.tensor([prompt]), cache)
+    for layer in (0, eng.cfg.num_layers - 1):
+        k, v = eng._runtime.kv.gather(layer, 0, len(prompt))
+        assert torch.equal(k, cache.k[layer]) and torch.equal(v, cache.v[layer]), layer
 
 
 def test_a_request_that_stops_at_once_frees_its_slot(zoo):
@@ -85,18 +126,7 @@ def test_fp8_batched_within_measured_batch_invariance(zoo, model, recipe):
     2 * delta (a near-tie that the batch composition may flip), never a real error."""
     eng = Engine(zoo[model], recipe)
     reqs = [GenerationRequest(r.prompt, 16) for r in _requests(seed=1)[:6]]
-    gens = eng.generate_batch(reqs, ServingConfig(max_batch=4), keep_logits=True)
-    parted = 0
-    for r, g in zip(reqs, gens):
-        tokens, logits = eng.generate(list(r.prompt), r.max_new_tokens, return_logits=True)
-        split = next((i for i, (a, b) in enumerate(zip(g.tokens, tokens)) if a != b), None)
-        upto = len(tokens) if split is None else split + 1  # the parting step's logits still share a context
-        delta = (g.logits[:upto] - logits[:upto]).abs().max().item()
-        if split is not None:
-            parted += 1
-            top = torch.topk(logits[split], 2).values
-            assert (top[0] - top[1]).item() <= 2 * delta, (r, split, delta)
-    assert parted < len(reqs)
+    assert parted_within_invariance(eng, reqs, ServingConfig(max_batch=4)) < len(reqs)
 
 
 def test_runtime_pages_are_sized_to_the_requests_and_reused(zoo):

@@ -184,3 +184,23 @@ def test_fp32_pages_graph_decode_is_bitwise_eager(zoo):
     assert graph.graphs and graph._graphs and a_out == b_out
     assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
     assert eng.nx.coverage["attention:fallback:fp32-pages"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp8-block"])
+def test_mla_serves_batched_on_native(recipe):
+    """zoo-moe (MLA + MoE) on cuda-native through the paged runtime: its decode steps run eager (no kernel reads MLA
+    pages, so no graphs even when asked for), many rows per step, every request within the measured batch
+    invariance of its one-at-a-time decode."""
+    from engine.api import Engine
+    from engine.generation import GenerationRequest
+    from engine.loading import load_model
+    from engine.model import Transformer
+    from engine.serving import ServingConfig
+    from tests.support.batch_invariance import parted_within_invariance
+
+    loaded = load_model(str(REPO / "zoo" / "zoo-moe"))
+    eng = Engine(Transformer(loaded.cfg, loaded.weights).to("cuda"), recipe, backend="cuda-native")
+    reqs = [GenerationRequest(tuple(p), 12) for p in PROMPTS + [[1] + list(range(40, 80))]]
+    parted = parted_within_invariance(eng, reqs, ServingConfig(max_batch=4, cuda_graphs=True))
+    assert parted < len(reqs)
+    assert not eng._runtime.graphs and eng.work["decode_rows"] > eng.work["decode_steps"]
