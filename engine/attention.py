@@ -79,6 +79,18 @@ def _attn_output(nx: Numerics, w: Mapping[str, torch.Tensor], a: torch.Tensor, p
     return o
 
 
+def _store(nx: Numerics, cache: KVCache | None, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+           module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This call's K and V (batch, kv_heads, t, d) in their cache formats (`Numerics.kv_store`), appended to the
+    contiguous cache of layer `i` when there is one: (every cached K, V so far, their positions (tk,))."""
+    k, v = nx.kv_store(k, "kv.k", module), nx.kv_store(v, "kv.v", module)
+    if cache is None:
+        return k, v, pos
+    t = k.shape[2]
+    k, v = cache.append(i, k, v)
+    return k, v, torch.arange(0, cache.length + t, device=k.device)
+
+
 def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, hn: torch.Tensor,
                   pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                   fused: QTensor | None = None) -> torch.Tensor:
@@ -119,13 +131,7 @@ def gqa_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     if cache is not None and hasattr(cache, "attend"):  # paged runtime: the cache stores (in format) and attends
         a, a_fused = cache.attend(nx, i, q, k, v, tp + "attn", cfg.window(i))
         return _attn_output(nx, w, a, p, tp, a_fused)
-    k = nx.kv_store(k, "kv.k", tp + "attn")
-    v = nx.kv_store(v, "kv.v", tp + "attn")
-    if cache is not None:
-        k, v = cache.append(i, k, v)
-        k_pos = torch.arange(0, cache.length + t, device=hn.device)
-    else:
-        k_pos = pos
+    k, v, k_pos = _store(nx, cache, i, k, v, pos, tp + "attn")
     a = nx.attention(q, k, v, pos, k_pos, tp + "attn", cfg.window(i))  # (batch, t, heads*hd)
     return _attn_output(nx, w, a, p, tp)
 
@@ -175,13 +181,7 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
                 for kr, cr in nx.paged_latent(cache, i, k_pe, c_kv, tp + "attn")]
         new = torch.cat([r[2] for r in rows])  # (batch, t, heads*(nope+dv))
     else:
-        k_pe = nx.kv_store(k_pe, "kv.k", tp + "attn")
-        c_kv = nx.kv_store(c_kv, "kv.v", tp + "attn")
-        if cache is not None:
-            k_pe, c_kv = cache.append(i, k_pe, c_kv)
-            k_pos = torch.arange(0, cache.length + t, device=hn.device)
-        else:
-            k_pos = pos
+        k_pe, c_kv, k_pos = _store(nx, cache, i, k_pe, c_kv, pos, tp + "attn")
         k, v, new = _mla_keys(nx, w, cfg, i, k_pe, c_kv, t)
     nx.emit(tp + "attn.kv", new)
     if nx.tapping:
