@@ -109,11 +109,14 @@ for part in $parts; do
     nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions: the finished results come
       # back as one archive, $OUT/nightly_results.tgz (the device tool returns few files; the reference cache is left
       # out: it is recomputed once per model); put it at .carry/nightly_partial.tgz and the next call continues
-      # from it (--resume). NIGHTLY_TIMEOUT: seconds for the run itself.
+      # from it (--resume). NIGHTLY_TIMEOUT: seconds for the run itself; NIGHTLY_EXTRA: more options, e.g.
+      # "--set model=zoo/zoo-moe --set corpus=.carry/data/text/simplebooks92/test.txt" for one model's runs first
+      # (the same run keys and fingerprints: the whole suite's --resume then skips them).
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
+      read -ra nextra <<< "${NIGHTLY_EXTRA:-}"
       (
         run nightly "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run suites/nightly.yaml --device cuda --resume \
-          --no-tracking --out "$OUT/nightly"
+          --no-tracking --out "$OUT/nightly" "${nextra[@]}"
         python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
       )
       tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
