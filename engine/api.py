@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.generation import Generation, GenerationRequest, cap_requests, contiguous_generate
+from engine.generation import Generation, GenerationRequest, cap_requests
 from engine.model import KVCache, Transformer
 from engine.numerics import LocalProbe, Numerics, QuantObserver
 from engine.parallel import ParallelConfig, ParallelError  # noqa: F401 (ParallelError: re-exported for the harness)
@@ -201,12 +201,6 @@ class Engine:
         finally:
             nx.tap, nx.observer, nx.local = None, None, None
 
-    def runtime_serves(self) -> bool:
-        """Whether `generate_batch` decodes through the paged serving runtime (every model, in one process);
-        otherwise (tensor / expert parallelism) it decodes on the contiguous cache
-        (`engine.generation.contiguous_generate`)."""
-        return self.parallel.size == 1
-
     @torch.no_grad()
     def generate_batch(self, requests: Sequence[GenerationRequest], serving: ServingConfig | None = None,
                        step_stats: bool = False, keep_logits: bool = False,
@@ -216,9 +210,8 @@ class Engine:
 
         `serving` (default `self.serving`): batch size (`max_batch`), page size, chunked prefill, CUDA graphs;
         its `max_tokens` is sized to the requests here, and `max_batch` (when given) replaces its batch size.
-        A single-process engine goes through the paged runtime
-        (continuous batching, KV pages in the recipe's cache format); a tensor / expert-parallel one decodes on the
-        contiguous cache, requests of equal prompt length together. `step_stats`: per generated token, the entropy and top-2
+        They go through the paged runtime (continuous batching, KV pages in the recipe's cache format; under tensor
+        parallelism each rank's pages hold its KV heads). `step_stats`: per generated token, the entropy and top-2
         margin of its distribution; `keep_logits`: the step logits too (small models only); `on_done(n)`: n more
         requests finished (a progress bar).
         """
@@ -228,9 +221,6 @@ class Engine:
         requests = cap_requests(requests, self.cfg.max_position)
         if not requests:
             return []
-        if not self.runtime_serves():
-            return contiguous_generate(self, requests, serving.max_batch, serving.prefill_chunk, step_stats,
-                                       keep_logits, on_done)
         from engine.runtime import PagedRuntime
 
         need = max(len(r.prompt) + r.max_new_tokens for r in requests)

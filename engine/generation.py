@@ -1,12 +1,10 @@
-"""Batched greedy generation: request and result records, per-step statistics, and the decode loop on a contiguous
-KV cache for the engines the paged runtime does not serve.
+"""Batched greedy generation: request and result records, per-step statistics, and the bookkeeping of a decode
+loop (the paged runtime's, and the FP32 reference's in the harness).
 
 Every evaluation that generates submits all its requests at once (`Engine.generate_batch`, and the FP32
-reference's `generate_batch` in the harness): single-process engines decode through the paged serving runtime
+reference's `generate_batch` in the harness); the engine decodes them through its serving runtime
 (`engine.runtime.PagedRuntime.serve`: continuous batching over KV pages in the recipe's cache format, CUDA graphs
-on the GPU for GQA / MQA); tensor / expert-parallel engines decode here, on the contiguous cache of
-`Engine.generate`, requests of equal prompt length together (no padding, so batch-invariant recipes give the bits
-of one request at a time).
+on the GPU for GQA / MQA in one process).
 
 Nothing per step leaves the device: the next tokens, and with ``step_stats`` each step's predictive entropy and
 top-1/top-2 logit margin, are written into device buffers by index (`Recorder`) and read back once per batch.
@@ -146,46 +144,3 @@ def lockstep_step(rec: Recorder, requests: Sequence[GenerationRequest], live: li
     if on_done is not None and len(keep) < len(live):
         on_done(len(live) - len(keep))
     return nxt, keep
-
-
-@torch.no_grad()
-def contiguous_generate(engine: "Engine", requests: Sequence[GenerationRequest], max_batch: int,
-                        prefill_chunk: int | None = None, step_stats: bool = False,
-                        keep_logits: bool = False,
-                        on_done: Optional[Callable[[int], None]] = None) -> list[Generation]:
-    """Greedy generations on the contiguous KV cache: requests of equal prompt length decode together, up to
-    `max_batch` at a time (finished ones leave the batch, as on a server); prompts are prefilled in chunks of
-    `prefill_chunk` tokens (None: whole). `on_done(n)`: n more requests finished."""
-    requests = cap_requests(requests, engine.cfg.max_position)
-    nx, weights, model = engine.nx, engine.weights, engine.model
-    dev = engine.device
-    rec = Recorder(len(requests), max((r.max_new_tokens for r in requests), default=1), dev, step_stats,
-                   keep_logits)
-    lengths = [0] * len(requests)
-    by_len: dict[int, list[int]] = {}
-    for i, r in enumerate(requests):
-        by_len.setdefault(len(r.prompt), []).append(i)
-    for plen, members in by_len.items():
-        for g in range(0, len(members), max_batch):
-            live = members[g:g + max_batch]
-            longest = max(requests[i].max_new_tokens for i in live)
-            cache = KVCache.empty(model.cfg, len(live), plen + longest, dev)
-            x = torch.tensor([requests[i].prompt for i in live], dtype=torch.long, device=dev)  # (b, plen)
-            chunk = prefill_chunk or plen
-            engine.work["prefill_tokens"] += x.numel()
-            for s in range(0, plen, chunk):
-                last = model.forward(nx, weights, x[:, s:s + chunk], cache)[:, -1]  # (b, vocab)
-            for step in range(longest):
-                nxt, keep = lockstep_step(rec, requests, live, step, last, lengths, on_done)
-                if not keep:
-                    break
-                if len(keep) < len(live):  # finished requests leave the batch and the cache
-                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                    cache.k = [k.index_select(0, sel) for k in cache.k]
-                    cache.v = [v.index_select(0, sel) for v in cache.v]
-                    nxt = nxt.index_select(0, sel)
-                    live = [live[j] for j in keep]
-                engine.work["decode_steps"] += 1
-                engine.work["decode_rows"] += len(live)
-                last = model.forward(nx, weights, nxt[:, None], cache)[:, -1]
-    return rec.results(lengths)

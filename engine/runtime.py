@@ -1,6 +1,7 @@
 """The serving runtime: many requests over a paged KV cache, chunked prefill, batched decode, CUDA graphs.
 
-`PagedRuntime` wraps an `Engine` (any backend, one process). Each
+`PagedRuntime` wraps an `Engine` (any backend; under tensor / expert parallelism every rank runs the same
+runtime on the same requests, its pages holding this rank's KV heads, its steps eager). Each
 request gets a sequence slot in a `PagedKVCache` (pages of `kv_block_size`
 tokens, K/V stored in the recipe's cache formats: FP8 with per-head K scales
 and 1x128 V scales, bf16 or fp32; any other KV format is stored as the
@@ -81,10 +82,8 @@ class PagedRuntime:
     """Serve many greedy requests with an `Engine` over a paged KV cache (module docstring)."""
 
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig(), num_blocks: Optional[int] = None):
-        cfg = engine.cfg
-        if getattr(engine, "parallel", None) is not None and engine.parallel.size > 1:
-            raise ValueError("PagedRuntime serves single-process engines (tp=ep=1); its pages are sized for the "
-                             "whole model's KV heads")
+        cfg = engine.model.cfg  # this rank's heads under tensor parallelism: the pages hold its KV heads only
+        parallel = getattr(engine, "parallel", None)
         self.engine, self.config, self.device = engine, config, engine.device
         if config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs the cuda-emulated or cuda-native backend")
@@ -106,7 +105,9 @@ class PagedRuntime:
         # graph cannot hold: only a backend whose paged attention reads nothing on the host (`Numerics.paged_graphs`)
         # captures its decode steps (`graphs`); the others run eager, counted in the engine's work as decode steps
         # without `decode_graph_steps`.
-        self.graphs = config.cuda_graphs and mla is None and engine.nx.paged_graphs(dtype)
+        # Under tensor / expert parallelism every decode step runs collectives: those steps run eager.
+        self.graphs = (config.cuda_graphs and mla is None and engine.nx.paged_graphs(dtype)
+                       and (parallel is None or parallel.size == 1))
         per_seq = -(-config.max_tokens // config.kv_block_size)
         mb = config.max_batch
         # slots [0, max_batch) serve requests; with CUDA graphs, slots [max_batch, 2*max_batch) are scratch

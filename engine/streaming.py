@@ -365,10 +365,6 @@ class StreamedEngine:
             raise StreamedGenerationError("precision switching needs the whole model resident")
         return stream_logits(self, [tokens], tap=lambda b: tap, observer=observer, local=local)[0]
 
-    def runtime_serves(self) -> bool:
-        """A streamed engine is not served (see `generate_batch`)."""
-        return False
-
     def generation_error(self, what: str) -> StreamedGenerationError:
         """The error for generation asked of this engine (`what`: who asked), naming the memory and the routes."""
         need = self.resident_bytes or sum(self.store.stage_bytes(s) for s in stages(self.cfg))

@@ -1,6 +1,5 @@
 """Batched generation (`Engine.generate_batch`): the paged runtime's continuous batching (GQA pages, and MLA's
-latent pages) and the contiguous cache of tensor / expert-parallel engines against one request at a time, with
-per-request budgets and stop ids."""
+latent pages) against one request at a time, with per-request budgets and stop ids."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
     logits. `on_done` hears of every request as it finishes (a progress bar that moves during the decode, not once
     at the end)."""
     eng = Engine(zoo[model], "fp32")
-    assert eng.runtime_serves()
     reqs = _requests(stops=True)
     done: list[int] = []
     gens = eng.generate_batch(reqs, ServingConfig(max_batch=batch, prefill_chunk=chunk), step_stats=True,
@@ -65,19 +63,6 @@ def test_fp32_batched_equals_one_at_a_time(zoo, model, batch, chunk):
         assert g.entropy == pytest.approx(ent.tolist(), abs=1e-4) and g.margin == pytest.approx(margin.tolist(),
                                                                                                  abs=1e-3)
     assert stopped >= 1  # some request ended on a stop id before its budget
-
-
-@pytest.mark.parametrize("model", ["zoo-llama", "zoo-moe"])
-def test_contiguous_cache_batches_equal_lengths_as_one_at_a_time(zoo, model):
-    """The contiguous-cache decode (tensor / expert-parallel engines) under fp32: requests of equal prompt length
-    decode together, each with the tokens of `Engine.generate` alone."""
-    from engine.generation import contiguous_generate
-
-    eng = Engine(zoo[model], "fp32")
-    reqs = _requests(seed=2, stops=True)
-    gens = contiguous_generate(eng, reqs, 4)
-    assert [g.tokens for g in gens] == [eng.generate(list(r.prompt), r.max_new_tokens, stop_ids=r.stop_ids)
-                                        for r in reqs]
 
 
 def test_mla_pages_hold_the_cache_format_and_serve_in_batches(zoo):

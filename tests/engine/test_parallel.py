@@ -82,6 +82,7 @@ def _engine_worker(rank: int, port: int, tmp: str, device: str = "cpu") -> None:
             out[f"{name}.tp2.chunked"] = _compare(one.logits(toks, prefill_chunk=16),
                                                   two.logits(toks, prefill_chunk=16))
             out[f"{name}.tp2.generate"] = [one.generate(toks[0, :8].tolist(), 6), two.generate(toks[0, :8].tolist(), 6)]
+            out[f"{name}.tp2.generate_batch"] = _served(one, two, toks)
             taps1, taps2 = {}, {}
             one.logits(toks, tap=lambda n, x: taps1.__setitem__(n, x.float()))
             two.logits(toks, tap=lambda n, x: taps2.__setitem__(n, x.float()))
@@ -107,11 +108,23 @@ def _engine_worker(rank: int, port: int, tmp: str, device: str = "cpu") -> None:
         eng = Engine(model, "fp32", parallel=ParallelConfig(tp=2, ep=2))
         decode = eng.generate(text[0, :16].tolist(), 6)
         out["zoo-moe.fp32.tp2ep2.generate"] = [Engine(model, "fp32").generate(text[0, :16].tolist(), 6), decode]
+        out["zoo-moe.fp32.tp2ep2.generate_batch"] = _served(Engine(model, "fp32"), eng, text)
         out.update(_invariance_tp_variants(Engine))
     finally:
         if rank == 0:
             (Path(tmp) / "engine.json").write_text(json.dumps(out, indent=1))
         dist.destroy_process_group()
+
+
+def _served(one, two, toks: torch.Tensor) -> dict:
+    """Four requests of 3-30 prompt tokens (from toks' rows) served by the paged runtime at batch 3 on engines `one`
+    (TP=1) and `two` (parallel): their tokens and the KV heads of `two`'s pages."""
+    from engine.generation import GenerationRequest
+    from engine.serving import ServingConfig
+
+    reqs = [GenerationRequest(tuple(toks[i % 2, :n].tolist()), 6) for i, n in enumerate((3, 9, 17, 30))]
+    got = [[g.tokens for g in e.generate_batch(reqs, ServingConfig(max_batch=3))] for e in (one, two)]
+    return {"one": got[0], "two": got[1], "kv_heads": two._runtime.kv.kv_heads}
 
 
 def _invariance_tp_variants(Engine) -> dict[str, dict]:  # noqa: N803
@@ -157,6 +170,16 @@ def test_tp2_dense_logits_match_tp1_under_fp32(engine_results, name):
     assert r[f"{name}.tp2.chunked"]["max_abs"] <= FP32_TOL  # chunked prefill through the local KV cache
     greedy1, greedy2 = r[f"{name}.tp2.generate"]
     assert greedy1 == greedy2 and len(greedy1) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run,kv_heads", [("llama.tp2", 2), ("qwen2-mqa.tp2", 1), ("zoo-moe.fp32.tp2ep2", 1)])
+def test_parallel_engines_serve_on_the_paged_runtime(engine_results, run, kv_heads):
+    """Requests of different prompt lengths served together by the paged runtime on both ranks give TP=1's tokens
+    under fp32; each rank's pages hold its own KV heads (llama: 2 of 4; the MQA head replicated; MLA's latent)."""
+    r = engine_results[f"{run}.generate_batch"]
+    assert r["one"] == r["two"] and all(len(t) == 6 for t in r["one"])
+    assert r["kv_heads"] == kv_heads
 
 
 @pytest.mark.slow
@@ -399,6 +422,8 @@ def test_nccl_two_gpus_tp_ep_match_tp1(tmp_path):
     for name in ("llama", "qwen2-mqa"):
         assert all(s1 == s2 for s1, s2, _ in r[f"{name}.tp2.taps"].values())
         assert r[f"{name}.tp2.generate"][0] == r[f"{name}.tp2.generate"][1]
+    for run in ("llama.tp2", "qwen2-mqa.tp2", "zoo-moe.fp32.tp2ep2"):  # the paged runtime on both ranks
+        assert r[f"{run}.generate_batch"]["one"] == r[f"{run}.generate_batch"]["two"], run
     assert r["invariance.fp32"]["tp2.kld_mean"] < 1e-9
     tp2, own = r["zoo-moe.fp8-block.tp2ep2"], r["zoo-moe.fp8-block.vs_fp32"]
     print(f"\nNCCL fp8-block zoo-moe KLD(TP1||TP2,EP2) {tp2['kld_mean']:.3g} "

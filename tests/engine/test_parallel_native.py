@@ -358,7 +358,9 @@ def _nccl_native_worker(rank: int, port: int, out_dir: str) -> None:
     from engine.api import Engine
     from engine.loading import load_model
     from engine.model import Transformer
+    from engine.generation import GenerationRequest
     from engine.parallel import ParallelConfig
+    from engine.serving import ServingConfig
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -374,6 +376,8 @@ def _nccl_native_worker(rank: int, port: int, out_dir: str) -> None:
             for recipe in recipes:
                 base = Engine(model, recipe, backend="cuda-native")
                 ref, greedy = base.logits(text).cpu(), base.generate(prompt, 16)
+                reqs = [GenerationRequest(tuple(text[i, :n].tolist()), 16) for i, n in enumerate((5, 16, 40, 90))]
+                served = [g.tokens for g in base.generate_batch(reqs, ServingConfig(max_batch=4))]
                 out[f"{name}.{recipe}.tp1ep1.coverage"] = base.native_coverage()
                 for tp, ep in degrees:
                     eng = Engine(model, recipe, backend="cuda-native", parallel=ParallelConfig(tp=tp, ep=ep))
@@ -387,6 +391,14 @@ def _nccl_native_worker(rank: int, port: int, out_dir: str) -> None:
                     out[key]["decode_step_ms"] = (time.perf_counter() - t0) * 1e3 / 16
                     out[key]["ep_wire_bytes_per_step_rank"] = eng.nx.parallel.wire_bytes / 16
                     out[key]["greedy_equal"] = decoded == greedy
+                    # the paged runtime on both ranks (FP8 pages of this rank's KV heads): 4 requests at batch 4
+                    t0 = time.perf_counter()
+                    got = [g.tokens for g in eng.generate_batch(reqs, ServingConfig(max_batch=4))]
+                    torch.cuda.synchronize()
+                    out[key]["served_s"] = time.perf_counter() - t0
+                    out[key]["served_token_agreement"] = sum(a == b for x, y in zip(got, served)
+                                                             for a, b in zip(x, y)) / sum(map(len, served))
+                    out[key]["served_kv_heads"] = eng._runtime.kv.kv_heads
                     out[key]["coverage"] = eng.native_coverage()
     finally:
         if rank == 0:
@@ -411,9 +423,11 @@ def test_nccl_native_tp_ep_match_tp1(tmp_path):
         if not key.endswith("coverage"):
             print(f"\n{key}: KLD mean {m['kld_mean']:.3g} max {m['kld_max']:.3g} top1 {m['top1']:.3f} bitwise "
                   f"{m['bitwise']} greedy {m['greedy_equal']} decode {m['decode_step_ms']:.2f} ms/step, EP "
-                  f"{m['ep_wire_bytes_per_step_rank']:.0f} B/step/rank")
+                  f"{m['ep_wire_bytes_per_step_rank']:.0f} B/step/rank; served 4 requests in {m['served_s']:.2f} s, "
+                  f"token agreement {m['served_token_agreement']:.3f}, {m['served_kv_heads']} KV heads a rank")
     ep2 = r["zoo-moe.fp8-block.tp1ep2"]
-    assert ep2["bitwise"] and ep2["greedy_equal"], ep2
+    assert ep2["bitwise"] and ep2["greedy_equal"] and ep2["served_token_agreement"] == 1.0, ep2
+    assert r["zoo-llama.bf16.tp2ep1"]["served_kv_heads"] == 2  # 4 KV heads, 2 a rank
     assert ep2["coverage"].get("moe:native", 0) > 0 and ep2["ep_wire_bytes_per_step_rank"] > 0
     for key in ("zoo-moe.fp8-block.tp2ep1", "zoo-moe.fp8-block.tp2ep2", "zoo-llama.fp8-block.tp2ep1",
                 "zoo-llama.bf16.tp2ep1"):
