@@ -109,16 +109,27 @@ for part in $parts; do
     nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions: the finished results come
       # back as one archive, $OUT/nightly_results.tgz (the device tool returns few files; the reference cache is left
       # out: it is recomputed once per model); put it at .carry/nightly_partial.tgz and the next call continues
-      # from it (--resume). NIGHTLY_TIMEOUT: seconds for the run itself; NIGHTLY_EXTRA: more options, e.g.
-      # "--set model=zoo/zoo-moe --set corpus=.carry/data/text/simplebooks92/test.txt" for one model's runs first
-      # (the same run keys and fingerprints: the whole suite's --resume then skips them).
+      # from it (--resume). The models run side by side, one process each (benchmarks/split_suite.py: the same run
+      # keys and fingerprints; their runs are host-bound, so they share the GPU well), each in its own folder, gathered
+      # into $OUT/nightly; once every run is finished the whole suite's --resume writes its manifest there.
+      # NIGHTLY_TIMEOUT: seconds for the runs.
+      mkdir -p "$OUT/nightly"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
-      read -ra nextra <<< "${NIGHTLY_EXTRA:-}"
-      (
-        run nightly "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run suites/nightly.yaml --device cuda --resume \
-          --no-tracking --out "$OUT/nightly" "${nextra[@]}"
-        python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
-      )
+      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml); do
+        part=$(basename "$suite" .yaml); part=${part#.}
+        mkdir -p "$OUT/$part" && cp "$OUT"/nightly/*__*.json "$OUT/$part/" 2>/dev/null
+        OMP_NUM_THREADS=4 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
+          --resume --no-tracking --out "$OUT/$part" &
+      done
+      wait
+      for d in "$OUT"/nightly-*/; do cp "$d"*__*.json "$OUT/nightly/" 2>/dev/null; rm -rf "$d"; done
+      if python -c "import pathlib, sys; from evalharness.suite import load_suite
+sys.exit(any(not pathlib.Path(sys.argv[1], r.key + '.json').exists() for r in load_suite('suites/nightly.yaml').runs))" \
+          "$OUT/nightly"; then  # every run has its result: the whole suite (skips them all, writes its manifest)
+        run nightly 300 python -m evalharness.cli run suites/nightly.yaml --device cuda --resume --no-tracking \
+          --out "$OUT/nightly"
+      fi
+      python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
       tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
     mutations)  # the native-kernel mutations of suites/selftest/mutations.yaml (device: gpu) with their nulls
       run mutations_gpu 560 python -m evalharness.cli selftest --mutations --out "$OUT/mutations-gpu" \

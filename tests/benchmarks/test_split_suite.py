@@ -1,0 +1,43 @@
+"""benchmarks/split_suite.py: the nightly split into one suite per model keeps the run keys and fingerprints of the
+whole suite's runs (so that results of the parts are what the whole suite's --resume skips)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.split_suite import split
+from evalharness.fingerprint import model_inputs, run_fingerprint
+from evalharness.suite import load_suite
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_split_nightly_keeps_run_keys_and_fingerprints(tmp_path, data_dir):
+    (tmp_path / "suites").mkdir()
+    suite = tmp_path / "suites" / "nightly.yaml"
+    shutil.copy(REPO / "suites" / "nightly.yaml", suite)
+    (tmp_path / "zoo").symlink_to(REPO / "zoo")  # the suite's ../zoo/<model> paths
+    parts = split(suite)
+    assert [p.name for p in parts] == [".nightly-zoo-llama.yaml", ".nightly-zoo-moe.yaml",
+                                       ".nightly-stories260k.yaml"]
+    whole = load_suite(str(suite), data_dir=str(data_dir))
+    runs = {r.key: r for r in whole.runs}
+    got = []
+    for part in parts:
+        sub = load_suite(str(part), data_dir=str(data_dir))
+        assert {r.model["name"] for r in sub.runs} == {part.stem.split("-", 1)[1]}
+        got += [r.key for r in sub.runs]
+        r = sub.runs[0]
+        assert run_fingerprint(r, model_inputs(r.model), sub.reference_device) == \
+            run_fingerprint(runs[r.key], model_inputs(runs[r.key].model), whole.reference_device)
+    assert sorted(got) == sorted(runs)
+
+
+def test_a_suite_without_named_models_is_an_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodels: [zoo/zoo-llama]\n")
+    with pytest.raises(SystemExit, match="'models' must be a list of entries with a 'name'"):
+        split(bad)
