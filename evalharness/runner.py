@@ -35,6 +35,7 @@ from evalharness.progress import Progress, no_bars
 from evalharness.reference import ReferenceLM
 from evalharness.results import SCHEMA_VERSION, remove_stale_temp_files, write_json_atomic
 from evalharness.streamed import open_streamed, streamed_engine
+from evalharness.suite_schema import RUNTIME_KNOBS, ServingEntry
 from evalharness.suite import RunSpec, Suite
 
 
@@ -505,11 +506,12 @@ def _meter(progress: Progress) -> str:
 
 
 def serving_config(serving: dict[str, Any], cuda: bool) -> ServingConfig:
-    """How the engine serves the run's generation requests: the serving entry's batch size, chunked prefill, page
-    size and CUDA graphs (on CUDA only; `max_tokens` is sized per call)."""
-    return ServingConfig(kv_block_size=serving.get("kv_block_size", 64), max_batch=serving["batch_size"],
-                         prefill_chunk=serving.get("prefill_chunk"),
-                         cuda_graphs=cuda and serving.get("cuda_graphs", True))
+    """How the engine serves the run's generation requests: the serving entry's batch size and every other
+    `ServingConfig` knob it sets (`suite_schema.RUNTIME_KNOBS`, the suite's defaults for the rest; CUDA graphs on
+    CUDA only; `max_tokens` is sized per call)."""
+    knobs = {k: serving.get(k, ServingEntry.model_fields[k].default) for k in RUNTIME_KNOBS}
+    knobs["cuda_graphs"] = cuda and knobs["cuda_graphs"]
+    return ServingConfig(max_batch=serving["batch_size"], **knobs)
 
 
 def _engine_factory(base_model: Transformer, spec: RunSpec, group) -> Callable[[int, int], Engine]:

@@ -6,13 +6,14 @@ SuiteError whose lines each name the file, the key path, what the value must be,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import dataclasses
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.api import BACKENDS
-from engine.serving import KV_BLOCK_SIZES
+from engine.serving import KV_BLOCK_SIZES, ServingConfig
 from evalharness.errors import SuiteError
 from evalharness.evals.settings import EVAL_SETTINGS
 from evalharness.evals.settings import NEEDS as EVAL_NEEDS
@@ -39,18 +40,40 @@ class ModelEntry(Schema):
                                                         "builtin:NAME")
 
 
-class ServingEntry(Schema):
-    """One entry of `serving`; every knob but `name` and `batch_size` is recorded only when not its default."""
+# A serving entry's generation knobs are the engine's `engine.serving.ServingConfig` fields (their one definition: a
+# field added there is a suite key here), with the harness's defaults where they differ (64-token pages, CUDA graphs
+# on the GPU); the dataclass's `max_batch` is the entry's `batch_size`, and `max_tokens` is sized to each call.
+SERVING_DEFAULTS = {"kv_block_size": 64, "cuda_graphs": True}
+_ENTRY_NAMES = {"max_batch": "batch_size"}
+_PER_CALL = ("max_tokens",)
+_KNOB_TYPES = {"bool": StrictBool, "int": Pos, "Optional[int]": Optional[Pos]}
 
-    name: Name | None = Field(None, description="a name (text)")
-    batch_size: Pos = 1
-    prefill_chunk: Pos | None = None
-    attn_block: Literal[ATTN_BLOCKS] = 64  # type: ignore[valid-type]
-    small_m: Pos | None = 64
-    tp: Pos = 1
-    ep: Pos = 1
-    kv_block_size: Literal[KV_BLOCK_SIZES] = 64  # type: ignore[valid-type]
-    cuda_graphs: StrictBool = True
+
+def _serving_knobs() -> dict[str, tuple[Any, Any]]:
+    """(type, default) of each ServingConfig field a suite sets, under its suite name."""
+    out = {}
+    for f in dataclasses.fields(ServingConfig):
+        if f.name in _PER_CALL:
+            continue
+        name = _ENTRY_NAMES.get(f.name, f.name)
+        typ = Literal[KV_BLOCK_SIZES] if f.name == "kv_block_size" else _KNOB_TYPES[str(f.type)]
+        out[name] = (typ, 1 if name == "batch_size" else SERVING_DEFAULTS.get(name, f.default))
+    return out
+
+
+# ServingConfig's fields a serving entry sets (under their suite names), `runner.serving_config` hands them back
+RUNTIME_KNOBS = tuple(k for k in _serving_knobs() if k != "batch_size")
+
+# One entry of `serving`; every knob but `name` and `batch_size` is recorded only when not its default. The run's
+# own knobs: its name, the native kernels' tilings (attn_block, small_m) and the parallel degrees (tp, ep).
+_KNOBS = _serving_knobs()
+ServingEntry = create_model(
+    "ServingEntry", __base__=Schema,
+    name=(Name | None, Field(None, description="a name (text)")),
+    batch_size=_KNOBS.pop("batch_size"), prefill_chunk=_KNOBS.pop("prefill_chunk"),
+    attn_block=(Literal[ATTN_BLOCKS], 64),  # type: ignore[valid-type]
+    small_m=(Pos | None, 64), tp=(Pos, 1), ep=(Pos, 1),
+    **_KNOBS)
 
 
 Evals = create_model("Evals", __base__=Schema,
@@ -97,7 +120,8 @@ NEEDS = {
     "serving": "a list of serving configs", "gate": "a mapping (see docs/guide/gate.md)",
     "batch_size": "a positive integer", "prefill_chunk": "a positive integer or null (the whole window)",
     "small_m": "a positive integer", "tp": "a positive integer", "ep": "a positive integer",
-    "cuda_graphs": "true or false", "backend": f"one backend of {list(BACKENDS)} or a list of them",
+    "cuda_graphs": "true or false", "prefix_cache": "true or false",
+    "fp8_paged_max_tq": "a positive integer or null (no bound)", "backend": f"one backend of {list(BACKENDS)} or a list of them",
     "evals": f"a mapping of eval names {list(EVAL_SETTINGS)} to their settings",
 }
 HINTS = {

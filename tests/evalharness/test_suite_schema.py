@@ -52,6 +52,27 @@ def test_serving_records_only_non_default_knobs():
                         "serving1": {"name": "serving1", "batch_size": 2}}
 
 
+def test_serving_entries_set_the_engines_serving_config():
+    """The engine's ServingConfig is the one definition of the generation knobs: each of its fields (max_batch as
+    batch_size; max_tokens sized per call) is a serving key of a suite, and a run's engine is served with what its
+    entry set and the suite defaults for the rest (64-token pages, CUDA graphs only on CUDA)."""
+    import dataclasses
+
+    from engine.serving import ServingConfig
+    from evalharness.runner import serving_config
+    from evalharness.suite_schema import ServingEntry
+
+    fields = {f.name for f in dataclasses.fields(ServingConfig)} - {"max_tokens", "max_batch"} | {"batch_size"}
+    assert fields <= set(ServingEntry.model_fields)
+    suite = load_suite(SMOKE, sets=["serving=[{name: a, batch_size: 3, prefix_cache: true, fp8_paged_max_tq: 8}, "
+                                    "{name: b, kv_block_size: 16, prefill_chunk: 32}]"])
+    served = {r.serving["name"]: (serving_config(r.serving, cuda=False), serving_config(r.serving, cuda=True))
+              for r in suite.runs}
+    assert served["a"][0] == ServingConfig(max_batch=3, kv_block_size=64, prefix_cache=True, fp8_paged_max_tq=8)
+    assert served["a"][1].cuda_graphs and not served["a"][0].cuda_graphs
+    assert served["b"][1] == ServingConfig(max_batch=1, kv_block_size=16, prefill_chunk=32, cuda_graphs=True)
+
+
 def test_eval_settings_defaults_and_zero_fewshot():
     assert validate_eval_config("ppl_kld", {"seq_len": 64})["max_windows"] == 16
     assert validate_eval_config("tasks", {"num_fewshot": 0})["num_fewshot"] == 0
