@@ -290,7 +290,9 @@ class PagedKVCache:
         return take(self.k_data(layer)), take(self.v_data(layer))
 
     def gather(self, layer: int, seq_id: int, length: Optional[int] = None, dequantize: bool = True):
-        """Contiguous K/V of one sequence (for tests and references; may sync).
+        """Contiguous K/V of one sequence (the emulated paged attention's read, MLA's latent read, tests). The pages
+        come from the device block table (no host-to-device copy, so no sync); `length` defaults to the host's
+        record of the sequence's length, which syncs when only the device knows it.
 
         dequantize=True: (k (1, kv_heads, L, head_dim), v (1, kv_heads, L, head_dim_v)) fp32 = stored
         value * scale. dequantize=False: (k, k_scale (1, kv_heads, L) or None, v, v_scale
@@ -300,7 +302,7 @@ class PagedKVCache:
         nb = math.ceil(n / self.block_size)
         if nb > len(self._pages[seq_id]):
             raise ValueError(f"sequence {seq_id} holds {self.capacity(seq_id)} tokens, asked for {n}")
-        pages = torch.tensor(self._pages[seq_id][:nb], dtype=torch.long, device=self.device)
+        pages = self.block_tables[seq_id, :nb].long()
 
         def take(x: torch.Tensor) -> torch.Tensor:
             """(pages, h, block, ...) -> (1, h, n, ...) of this sequence."""
