@@ -334,14 +334,15 @@ def _unsorted_combine(orig):
 def _page_table_off_by_one(orig):
     """Logical page i >= 1 of a sequence read from the physical page of i + 1 (the block table off by one)."""
     def fault(self, layer, seq_id, length=None, dequantize=True):
-        pages = self._pages[seq_id]
-        if len(pages) < 3:
+        n = len(self._pages[seq_id])  # the read takes its pages from the device block table's row
+        if n < 3:
             return orig(self, layer, seq_id, length, dequantize)
-        self._pages[seq_id] = pages[:1] + pages[2:] + pages[1:2]
+        row = self.block_tables[seq_id, :n].clone()
+        self.block_tables[seq_id, :n] = torch.cat([row[:1], row[2:], row[1:2]])
         try:
             return orig(self, layer, seq_id, length, dequantize)
         finally:
-            self._pages[seq_id] = pages
+            self.block_tables[seq_id, :n] = row
     return fault
 
 
