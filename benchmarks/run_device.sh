@@ -106,13 +106,15 @@ for part in $parts; do
           "${EVALS_DEVICE_SETS[@]}" "${extra[@]}"
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
-    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions: the finished results come
-      # back as one archive, $OUT/nightly_results.tgz (the device tool returns few files; the reference cache is left
-      # out: it is recomputed once per model); put it at .carry/nightly_partial.tgz and the next call continues
-      # from it (--resume). The models run side by side, one process each (benchmarks/split_suite.py: the same run
-      # keys and fingerprints; their runs are host-bound, so they share the GPU well), each in its own folder, gathered
-      # into $OUT/nightly; once every run is finished the whole suite's --resume writes its manifest there.
-      # NIGHTLY_TIMEOUT: seconds for the runs.
+    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side,
+      # one process each (benchmarks/split_suite.py: the same run keys and fingerprints; their runs are host-bound, so
+      # they share the GPU well), each in its own folder, gathered into $OUT/nightly. What comes back (the device tool
+      # returns few files): nightly_new.tgz, the full results of the runs finished in this call (gather them in one
+      # folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples (what
+      # --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
+      # .carry/nightly_partial.tgz for the next call. The reference cache is not kept (recomputed once per model and
+      # call). Once every run has a result, the whole suite's --resume writes its manifest (suite.json, in
+      # nightly_new.tgz). NIGHTLY_TIMEOUT: seconds for the runs.
       mkdir -p "$OUT/nightly"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
       for suite in $(python benchmarks/split_suite.py suites/nightly.yaml); do
@@ -122,15 +124,33 @@ for part in $parts; do
           --resume --no-tracking --out "$OUT/$part" &
       done
       wait
-      for d in "$OUT"/nightly-*/; do cp "$d"*__*.json "$OUT/nightly/" 2>/dev/null; rm -rf "$d"; done
+      : > "$OUT/nightly_new.txt"
+      for d in "$OUT"/nightly-*/; do  # a result that differs from the carried one was written in this call
+        for f in "$d"*__*.json; do
+          [ -e "$f" ] || continue
+          cmp -s "$f" "$OUT/nightly/${f##*/}" || { cp "$f" "$OUT/nightly/"; echo "${f##*/}" >> "$OUT/nightly_new.txt"; }
+        done
+        rm -rf "$d"
+      done
       if python -c "import pathlib, sys; from evalharness.suite import load_suite
 sys.exit(any(not pathlib.Path(sys.argv[1], r.key + '.json').exists() for r in load_suite('suites/nightly.yaml').runs))" \
           "$OUT/nightly"; then  # every run has its result: the whole suite (skips them all, writes its manifest)
         run nightly 300 python -m evalharness.cli run suites/nightly.yaml --device cuda --resume --no-tracking \
-          --out "$OUT/nightly"
+          --out "$OUT/nightly" && echo suite.json >> "$OUT/nightly_new.txt"
       fi
       python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
-      tar czf "$OUT/nightly_results.tgz" --exclude=ref_cache -C "$OUT" nightly && rm -rf "$OUT/nightly" ;;
+      tar czf "$OUT/nightly_new.tgz" -C "$OUT/nightly" -T "$OUT/nightly_new.txt"
+      python - "$OUT/nightly" "$OUT/stub/nightly" <<'EOF'
+import json, pathlib, sys
+src, dst = map(pathlib.Path, sys.argv[1:])
+dst.mkdir(parents=True, exist_ok=True)
+for p in src.glob("*__*.json"):
+    doc = json.loads(p.read_text())
+    doc["metrics"] = {}
+    doc.pop("samples", None)
+    (dst / p.name).write_text(json.dumps(doc))
+EOF
+      tar czf "$OUT/nightly_resume.tgz" -C "$OUT/stub" nightly && rm -rf "$OUT/nightly" "$OUT/stub" ;;
     mutations)  # the native-kernel mutations of suites/selftest/mutations.yaml (device: gpu) with their nulls
       run mutations_gpu 560 python -m evalharness.cli selftest --mutations --out "$OUT/mutations-gpu" \
         --only gpu-quant-rtz,gpu-attn-split-k-dropped,gpu-gemm-scale-layout-k128-mod4,gpu-mx-e8m0-off-by-one,gpu-paged-decode-page-off-by-one,gpu-cuda-graph-stale-buffer
