@@ -144,15 +144,14 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
     streamed = is_streamed(ctx.engine) or is_streamed(ctx.reference)
 
     def observe(module: str, site: str, q) -> None:
-        stats_fn = getattr(q, "stats", None)
-        if stats_fn is None:
+        counts = getattr(q, "counts", None)  # a QTensor's 0-d count tensors, on its device: summed there and read
+        if counts is None:                   # once at the end (`QTensor.stats` would synchronize per quantization)
             return
-        st = stats_fn()
-        n = float(torch.Size(q.shape).numel())
         rec = sat[(site, module)]
-        rec[0] += st.get("saturation_frac", 0.0) * n
-        rec[1] += st.get("underflow_frac", 0.0) * n
-        rec[2] += n
+        for k, key in ((0, "saturated"), (1, "underflow")):
+            if key in counts:
+                rec[k] = rec[k] + counts[key]
+        rec[2] += float(torch.Size(q.shape).numel())
 
     def fold_fed(i: int, y: torch.Tensor, ref_out: torch.Tensor) -> None:
         fed.setdefault(i, ErrorAccumulator()).update(y, ref_out.float())
@@ -228,7 +227,7 @@ def run_layer_error(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, fl
     for (site, _module), rec in sat.items():
         tot = per_site.setdefault(site, [0.0, 0.0, 0.0])
         for k in range(3):
-            tot[k] += rec[k]
+            tot[k] += float(rec[k])
     for site, (s, u, n) in sorted(per_site.items()):
         if n:
             metrics[f"quant.{site}.saturation_frac"] = s / n
