@@ -69,7 +69,8 @@ for part in $parts; do
       run gpu_tests_engine 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s -m gpu \
         tests/engine --ignore=tests/engine/kernels ;;
     parallel)  # >= 2 GPUs: the TP/EP tests (gloo and NCCL; cuda-emulated and cuda-native, the latter writing
-      # $OUT/parallel_native.json), then suites/parallel.yaml under torchrun + NCCL on each cuda backend
+      # $OUT/parallel_native.json), suites/parallel.yaml under torchrun + NCCL on each cuda backend, then
+      # benchmarks/bench_parallel.py on a real MoE shape
       run parallel_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s tests/engine/test_parallel.py
       run parallel_native_tests 300 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -s \
         tests/engine/test_parallel_native.py
@@ -77,7 +78,10 @@ for part in $parts; do
         --master-port 29533 -m evalharness.cli run suites/parallel.yaml --device cuda --out "$OUT/parallel" --no-tracking
       run suite_parallel_native 300 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
         --master-port 29534 -m evalharness.cli run suites/parallel.yaml --backend cuda-native \
-        --out "$OUT/parallel-native" --no-tracking ;;
+        --out "$OUT/parallel-native" --no-tracking
+      # a random-weight Qwen3-30B-A3B-shaped MoE (PARALLEL_LAYERS of its 48 layers) at TP=2 / EP=2 / both vs TP=1
+      run bench_parallel 400 python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
+        --master-port 29535 benchmarks/bench_parallel.py --layers "${PARALLEL_LAYERS:-8}" --out "$OUT" ;;
     bench)
       run bench_quant_kernels 120 python benchmarks/bench_quant_kernels.py --out "$OUT/bench_quant_kernels.txt"
       run bench_gemm 150 python benchmarks/bench_gemm.py
