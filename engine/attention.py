@@ -176,7 +176,8 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     k_pe_raw = k_pe
     k_pe = rot(k_pe.reshape(b, 1, t, rope), cos, sin)  # (batch, 1, t, rope)
     c_kv = c_kv.reshape(b, 1, t, m.kv_lora_rank)  # (batch, 1, t, kv_lora_rank)
-    if cache is not None and hasattr(cache, "attend"):  # paged runtime: each row over its own sequence's pages
+    paged = cache is not None and hasattr(cache, "attend")
+    if paged:  # paged runtime: each row over its own sequence's pages
         rows = [_mla_keys(nx, w, cfg, i, kr, cr, t)
                 for kr, cr in nx.paged_latent(cache, i, k_pe, c_kv, tp + "attn")]
         new = torch.cat([r[2] for r in rows])  # (batch, t, heads*(nope+dv))
@@ -189,7 +190,7 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
         k_tap = torch.cat((k_nope_new, k_pe_raw[:, :, None, :].expand(b, t, h, rope)), dim=-1)  # (b, t, h, nope+rope)
         nx.emit(tp + "attn.k", k_tap.reshape(b, t, h * (nope + rope)))
         nx.emit(tp + "attn.v", v_new.reshape(b, t, h * dv))
-    if cache is not None and hasattr(cache, "attend"):
+    if paged:
         out = torch.cat([nx.attention(q[r:r + 1], k, v, pos[r], torch.arange(k.shape[2], device=hn.device),
                                       tp + "attn", cfg.window(i), scale=scale) for r, (k, v, _) in enumerate(rows)])
     else:

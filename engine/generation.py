@@ -14,14 +14,9 @@ The only per-step host sync is the stop check of requests that have stop ids.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-
-from engine.attention import KVCache
-
-if TYPE_CHECKING:
-    from engine.api import Engine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,16 +296,17 @@ class Numerics:
         (out (batch, t, heads*dv) fp32, fused): a backend whose kernel stores the output in the `attn.out` format
         and quantizes it for o_proj returns that quantization as `fused` (None here). The emulation writes through the formats library (a KV format the pages do not
         hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
-        rt, t = view.rt, q.shape[2]
         self._paged_write(view, layer, k, v, module)
-        q_pos = view.positions(t)
-        outs = []
-        for b, (sid, st) in enumerate(zip(*view.host_rows())):
-            n = st + t
-            kb, vb = rt.kv.gather(layer, sid, n)
-            outs.append(self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(n, device=q.device), module,
-                                       window))
+        q_pos = view.positions(q.shape[2])
+        outs = [self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(kb.shape[2], device=q.device), module,
+                               window) for b, (kb, vb) in enumerate(self._paged_rows(view, layer, q.shape[2]))]
         return torch.cat(outs), None
+
+    @staticmethod
+    def _paged_rows(view, layer: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's cached K and V (values) up to this call's last token, ((1, heads, n, d), (1, heads, n, dv))
+        with n = its start + t: one gather per sequence (the rows' positions read on the host once per forward)."""
+        return [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
 
     def _paged_write(self, view, layer: int, k: torch.Tensor, v: torch.Tensor, module: str) -> None:
         """This call's K/V into the pages of `view` through the formats library (a KV format the pages do not hold
@@ -322,8 +323,7 @@ class Numerics:
         (1, 1, n, kv_lora_rank)) fp32 values with n = its start + t (the rows' positions read on the host once per
         forward). Every backend: no kernel reads MLA pages; the keys and values are rebuilt per row by kv_b_proj."""
         self._paged_write(view, layer, k_pe, c_kv, module)
-        t = k_pe.shape[2]
-        return [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
+        return self._paged_rows(view, layer, k_pe.shape[2])
 
     def paged_attention_rows(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                              window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:

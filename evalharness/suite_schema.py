@@ -43,7 +43,7 @@ class ModelEntry(Schema):
 # A serving entry's generation knobs are the engine's `engine.serving.ServingConfig` fields (their one definition: a
 # field added there is a suite key here), with the harness's defaults where they differ (64-token pages, CUDA graphs
 # on the GPU); the dataclass's `max_batch` is the entry's `batch_size`, and `max_tokens` is sized to each call.
-SERVING_DEFAULTS = {"kv_block_size": 64, "cuda_graphs": True}
+SERVING_DEFAULTS = {"batch_size": 1, "kv_block_size": 64, "cuda_graphs": True}
 _ENTRY_NAMES = {"max_batch": "batch_size"}
 _PER_CALL = ("max_tokens",)
 _KNOB_TYPES = {"bool": StrictBool, "int": Pos, "Optional[int]": Optional[Pos]}
@@ -57,23 +57,23 @@ def _serving_knobs() -> dict[str, tuple[Any, Any]]:
             continue
         name = _ENTRY_NAMES.get(f.name, f.name)
         typ = Literal[KV_BLOCK_SIZES] if f.name == "kv_block_size" else _KNOB_TYPES[str(f.type)]
-        out[name] = (typ, 1 if name == "batch_size" else SERVING_DEFAULTS.get(name, f.default))
+        out[name] = (typ, SERVING_DEFAULTS.get(name, f.default))
     return out
 
 
+_KNOBS = _serving_knobs()
 # ServingConfig's fields a serving entry sets (under their suite names), `runner.serving_config` hands them back
-RUNTIME_KNOBS = tuple(k for k in _serving_knobs() if k != "batch_size")
+RUNTIME_KNOBS = tuple(k for k in _KNOBS if k != "batch_size")
 
 # One entry of `serving`; every knob but `name` and `batch_size` is recorded only when not its default. The run's
 # own knobs: its name, the native kernels' tilings (attn_block, small_m) and the parallel degrees (tp, ep).
-_KNOBS = _serving_knobs()
 ServingEntry = create_model(
     "ServingEntry", __base__=Schema,
     name=(Name | None, Field(None, description="a name (text)")),
-    batch_size=_KNOBS.pop("batch_size"), prefill_chunk=_KNOBS.pop("prefill_chunk"),
+    batch_size=_KNOBS["batch_size"], prefill_chunk=_KNOBS["prefill_chunk"],
     attn_block=(Literal[ATTN_BLOCKS], 64),  # type: ignore[valid-type]
     small_m=(Pos | None, 64), tp=(Pos, 1), ep=(Pos, 1),
-    **_KNOBS)
+    **{k: v for k, v in _KNOBS.items() if k not in ("batch_size", "prefill_chunk")})
 
 
 Evals = create_model("Evals", __base__=Schema,
