@@ -111,8 +111,9 @@ for part in $parts; do
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
     nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side,
-      # one process each (benchmarks/split_suite.py: the same run keys and fingerprints; their runs are host-bound, so
-      # they share the GPU well), each in its own folder, gathered into $OUT/nightly. What comes back (the device tool
+      # NIGHTLY_SHARDS processes each (default 3; benchmarks/split_suite.py deals a model's recipes over them, with the
+      # same run keys and fingerprints; the runs are host-bound, so they share the GPU well), each in its own folder,
+      # gathered into $OUT/nightly. What comes back (the device tool
       # returns few files): nightly_new.tgz, the full results of the runs finished in this call (gather them in one
       # folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples (what
       # --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
@@ -121,10 +122,10 @@ for part in $parts; do
       # nightly_new.tgz). NIGHTLY_TIMEOUT: seconds for the runs.
       mkdir -p "$OUT/nightly"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
-      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml); do
+      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml --shards "${NIGHTLY_SHARDS:-3}"); do
         part=$(basename "$suite" .yaml); part=${part#.}
         mkdir -p "$OUT/$part" && cp "$OUT"/nightly/*__*.json "$OUT/$part/" 2>/dev/null
-        OMP_NUM_THREADS=4 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
+        OMP_NUM_THREADS=1 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
           --resume --no-tracking --out "$OUT/$part" &
       done
       wait

@@ -1,11 +1,13 @@
-"""Write one suite file per model of a suite, next to it (`.<suite>-<model>.yaml`), and print their paths.
+"""Write one suite file per model of a suite (and per shard of its recipes), next to it, and print their paths.
 
-Each keeps the suite's every other field, so its runs have the run keys and fingerprints of the whole suite's runs
-of that model: the per-model suites can run side by side (each into its own results folder; a folder takes one
-writer) and their result files, gathered into one folder, are what `evalharness run <suite> --resume` skips.
-`benchmarks/run_device.sh nightly` runs the nightly's models this way on one GPU (its runs are host-bound).
+Each part keeps the suite's every other field, so its runs have the run keys and fingerprints of the whole suite's
+runs of that model and those recipes: the parts can run side by side (each into its own results folder; a folder
+takes one writer) and their result files, gathered into one folder, are what `evalharness run <suite> --resume`
+skips. `--shards N` deals each model's recipes round-robin into N parts (`.<suite>-<model>-<i>.yaml`; without it
+`.<suite>-<model>.yaml`); each part computes its model's reference once. `benchmarks/run_device.sh nightly` runs
+the nightly this way on one GPU (its runs are host-bound).
 
-  python benchmarks/split_suite.py suites/nightly.yaml
+  python benchmarks/split_suite.py suites/nightly.yaml --shards 3
 """
 
 from __future__ import annotations
@@ -17,25 +19,31 @@ from pathlib import Path
 import yaml
 
 
-def split(path: Path) -> list[Path]:
-    """The per-model suite files of the suite at `path` (written next to it)."""
+def split(path: Path, shards: int = 1) -> list[Path]:
+    """The per-model (per-shard) suite files of the suite at `path`, written next to it."""
     raw = yaml.safe_load(path.read_text())
     models = raw.get("models") if isinstance(raw, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) and "name" in m for m in models):
         raise SystemExit(f"{path}: 'models' must be a list of entries with a 'name'")
+    recipes = raw.get("recipes")
+    if shards < 1 or (shards > 1 and not (isinstance(recipes, list) and len(recipes) >= shards)):
+        raise SystemExit(f"{path}: --shards {shards} needs a 'recipes' list of at least {shards} entries")
     out = []
     for m in models:
-        target = path.parent / f".{path.stem}-{m['name']}.yaml"
-        target.write_text(yaml.safe_dump({**raw, "models": [m]}, sort_keys=False))
-        out.append(target)
+        for i in range(shards):
+            part = {**raw, "models": [m]} if shards == 1 else {**raw, "models": [m], "recipes": recipes[i::shards]}
+            target = path.parent / (f".{path.stem}-{m['name']}" + (f"-{i}" if shards > 1 else "") + ".yaml")
+            target.write_text(yaml.safe_dump(part, sort_keys=False))
+            out.append(target)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("suite", type=Path)
+    ap.add_argument("--shards", type=int, default=1, help="parts per model, its recipes dealt round-robin")
     args = ap.parse_args(argv)
-    print("\n".join(str(p) for p in split(args.suite)))
+    print("\n".join(str(p) for p in split(args.suite, args.shards)))
     return 0
 
 

@@ -36,6 +36,30 @@ def test_split_nightly_keeps_run_keys_and_fingerprints(tmp_path, data_dir):
     assert sorted(got) == sorted(runs)
 
 
+def test_shards_deal_each_models_recipes_and_keep_the_fingerprints(tmp_path, data_dir):
+    (tmp_path / "suites").mkdir()
+    suite = tmp_path / "suites" / "nightly.yaml"
+    shutil.copy(REPO / "suites" / "nightly.yaml", suite)
+    (tmp_path / "zoo").symlink_to(REPO / "zoo")
+    parts = split(suite, shards=3)
+    assert [p.name for p in parts[:3]] == [".nightly-zoo-llama-0.yaml", ".nightly-zoo-llama-1.yaml",
+                                           ".nightly-zoo-llama-2.yaml"]
+    assert len(parts) == 9
+    whole = load_suite(str(suite), data_dir=str(data_dir))
+    runs = {r.key: r for r in whole.runs}
+    got = []
+    for part in parts:
+        sub = load_suite(str(part), data_dir=str(data_dir))
+        assert sub.runs, part
+        got += [r.key for r in sub.runs]
+        r = sub.runs[-1]
+        assert run_fingerprint(r, model_inputs(r.model), sub.reference_device) == \
+            run_fingerprint(runs[r.key], model_inputs(runs[r.key].model), whole.reference_device)
+    assert sorted(got) == sorted(runs)  # every run once, none twice
+    with pytest.raises(SystemExit, match="--shards 11 needs a 'recipes' list of at least 11"):
+        split(suite, shards=11)
+
+
 def test_a_suite_without_named_models_is_an_error(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodels: [zoo/zoo-llama]\n")
