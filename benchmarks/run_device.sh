@@ -111,10 +111,10 @@ for part in $parts; do
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
     nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side,
-      # NIGHTLY_SHARDS processes each (default 3; benchmarks/split_suite.py deals a model's recipes over them, with the
-      # same run keys and fingerprints; the runs are host-bound, so they share the GPU well), each in its own folder,
-      # gathered into $OUT/nightly. What comes back (the device tool
-      # returns few files): nightly_new.tgz, the full results of the runs finished in this call (gather them in one
+      # in parts (benchmarks/split_suite.py deals a model's recipes over them, with the same run keys and fingerprints;
+      # the runs are host-bound, so they share the GPU well; NIGHTLY_SPLIT: its options, default 3 parts a model and
+      # one per recipe for zoo-moe, the slowest), each in its own folder, gathered into
+      # $OUT/nightly. What comes back (the device tool returns at most 8 files; the parts' logs are one file): nightly_new.tgz, the full results of the runs finished in this call (gather them in one
       # folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples (what
       # --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
       # .carry/nightly_partial.tgz for the next call. The reference cache is not kept (recomputed once per model and
@@ -122,13 +122,14 @@ for part in $parts; do
       # nightly_new.tgz). NIGHTLY_TIMEOUT: seconds for the runs.
       mkdir -p "$OUT/nightly"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
-      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml --shards "${NIGHTLY_SHARDS:-3}"); do
+      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml ${NIGHTLY_SPLIT:---shards 3 --shards-for zoo-moe=10}); do
         part=$(basename "$suite" .yaml); part=${part#.}
         mkdir -p "$OUT/$part" && cp "$OUT"/nightly/*__*.json "$OUT/$part/" 2>/dev/null
         OMP_NUM_THREADS=1 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
           --resume --no-tracking --out "$OUT/$part" &
       done
       wait
+      for f in "$OUT"/nightly-*.log; do echo "== ${f##*/}"; cat "$f"; done > "$OUT/nightly_parts.log" && rm -f "$OUT"/nightly-*.log
       : > "$OUT/nightly_new.txt"
       for d in "$OUT"/nightly-*/; do  # a result that differs from the carried one was written in this call
         for f in "$d"*__*.json; do
@@ -144,7 +145,7 @@ sys.exit(any(not pathlib.Path(sys.argv[1], r.key + '.json').exists() for r in lo
           --out "$OUT/nightly" && echo suite.json >> "$OUT/nightly_new.txt"
       fi
       python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
-      tar czf "$OUT/nightly_new.tgz" -C "$OUT/nightly" -T "$OUT/nightly_new.txt"
+      tar czf "$OUT/nightly_new.tgz" -C "$OUT/nightly" -T "$OUT/nightly_new.txt" && rm "$OUT/nightly_new.txt"
       python - "$OUT/nightly" "$OUT/stub/nightly" <<'EOF'
 import json, pathlib, sys
 src, dst = map(pathlib.Path, sys.argv[1:])

@@ -19,17 +19,23 @@ from pathlib import Path
 import yaml
 
 
-def split(path: Path, shards: int = 1) -> list[Path]:
-    """The per-model (per-shard) suite files of the suite at `path`, written next to it."""
+def split(path: Path, shards: int = 1, shards_for: dict[str, int] | None = None) -> list[Path]:
+    """The per-model (per-shard) suite files of the suite at `path`, written next to it; `shards_for` gives some
+    models their own number of parts."""
     raw = yaml.safe_load(path.read_text())
     models = raw.get("models") if isinstance(raw, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) and "name" in m for m in models):
         raise SystemExit(f"{path}: 'models' must be a list of entries with a 'name'")
     recipes = raw.get("recipes")
-    if shards < 1 or (shards > 1 and not (isinstance(recipes, list) and len(recipes) >= shards)):
-        raise SystemExit(f"{path}: --shards {shards} needs a 'recipes' list of at least {shards} entries")
+    counts = {m["name"]: (shards_for or {}).get(m["name"], shards) for m in models}
+    if unknown := sorted(set(shards_for or {}) - set(counts)):
+        raise SystemExit(f"{path}: --shards-for names models the suite does not have: {', '.join(unknown)}")
+    for n in set(counts.values()):
+        if n < 1 or (n > 1 and not (isinstance(recipes, list) and len(recipes) >= n)):
+            raise SystemExit(f"{path}: --shards {n} needs a 'recipes' list of at least {n} entries")
     out = []
     for m in models:
+        shards = counts[m["name"]]
         for i in range(shards):
             part = {**raw, "models": [m]} if shards == 1 else {**raw, "models": [m], "recipes": recipes[i::shards]}
             target = path.parent / (f".{path.stem}-{m['name']}" + (f"-{i}" if shards > 1 else "") + ".yaml")
@@ -42,8 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("suite", type=Path)
     ap.add_argument("--shards", type=int, default=1, help="parts per model, its recipes dealt round-robin")
+    ap.add_argument("--shards-for", action="append", default=[], metavar="MODEL=N",
+                    help="parts for one model (repeatable), overriding --shards")
     args = ap.parse_args(argv)
-    print("\n".join(str(p) for p in split(args.suite, args.shards)))
+    try:
+        shards_for = {k: int(v) for k, v in (a.split("=", 1) for a in args.shards_for)}
+    except ValueError:
+        ap.error(f"--shards-for takes MODEL=N, got {args.shards_for}")
+    print("\n".join(str(p) for p in split(args.suite, args.shards, shards_for)))
     return 0
 
 

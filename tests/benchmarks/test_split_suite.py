@@ -58,6 +58,13 @@ def test_shards_deal_each_models_recipes_and_keep_the_fingerprints(tmp_path, dat
     assert sorted(got) == sorted(runs)  # every run once, none twice
     with pytest.raises(SystemExit, match="--shards 11 needs a 'recipes' list of at least 11"):
         split(suite, shards=11)
+    parts = split(suite, shards=2, shards_for={"zoo-moe": 10})
+    assert [p.name for p in parts if "zoo-moe" in p.name] == [f".nightly-zoo-moe-{i}.yaml" for i in range(10)]
+    assert len(parts) == 14
+    assert sorted(k for p in parts for k in (r.key for r in load_suite(str(p), data_dir=str(data_dir)).runs)) == \
+        sorted(runs)
+    with pytest.raises(SystemExit, match="names models the suite does not have: zoo-mo"):
+        split(suite, shards_for={"zoo-mo": 2})
 
 
 def test_a_suite_without_named_models_is_an_error(tmp_path):
