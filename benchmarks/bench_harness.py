@@ -8,7 +8,9 @@
    tokenizer beside it (4096 pieces trained on SimpleBooks: English-like tokens per word).
 2. Floors, measured on that checkpoint in this process: one forward token (engine per recipe, FP32 reference; at
    8 windows x 512 tokens), one decode step of the engine's serving runtime (CUDA graphs, paged KV) and of the
-   reference (transformers with its KV cache) at batch 1 and at the suite's batch.
+   reference (transformers with its KV cache) at batch 1 and at the suite's batch; and the evaluations' batched
+   generation (`evalharness.generation.generate_many`, 512-token prompts, 128 new tokens each) at those batches,
+   its new tokens/s against the runtime's own (batch / decode step). `--units-only` stops here.
 3. Runs: the suite's evaluations (default: suites/nightly.yaml's, every setting as written) through
    `evalharness.runner.run_suite`, the code path of `evalharness run`, on cuda-native: each recipe x the suite's
    serving configs, the reference computed once and cached. Each result records per evaluation its wall time, the
@@ -51,6 +53,7 @@ MODELS = {"llama3-8b": ("Llama-3-8B", LLAMA3_8B), "qwen3-30b-a3b": ("Qwen3-30B-A
           "tiny": ("Tiny-Llama", TINY)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EVAL_ORDER = ("layer_error", "ppl_kld", "tasks", "longctx")
+GEN_NEW_TOKENS = 128  # new tokens per request of the generation-throughput measurement (512-token prompts)
 
 
 def build_checkpoint(shape: dict, layers: int, path: Path, device: str, seed: int = 0) -> float:
@@ -104,7 +107,8 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
             tok = torch.ones((b, 1), dtype=torch.long, device=device)
             dec[b] = wall_s(lambda r=rt: [r._decode(tok, ids, start) for _ in range(32)]) / 32
             del rt
-        out["engine"][recipe] = {"forward_s_per_token": fwd, "decode_s": dec}
+        gen = {b: generation_throughput(eng, prompts[:b], GEN_NEW_TOKENS, fwd, dec[b], cuda) for b in batches}
+        out["engine"][recipe] = {"forward_s_per_token": fwd, "decode_s": dec, "generation": gen}
         del eng
         gc.collect()
     out["peak_gib_units"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -113,6 +117,35 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def generation_throughput(eng, prompts: list[list[int]], new_tokens: int, forward_s_per_token: float,
+                          decode_s: float, cuda: bool) -> dict:
+    """The evaluations' batched generation against the serving runtime's own decode steps, at one batch: every prompt
+    submitted at once through `evalharness.generation.generate_many` (what longctx and lm-eval's generate_until call,
+    with per-step statistics as longctx asks), served with the suite's paging and CUDA graphs; new tokens per second
+    against the runtime's batch / decode step. `ratio` counts the prompts' prefill in the generation's time;
+    `ratio_decode` takes out the prefill's floor (prompt tokens x the forward time per token)."""
+    from engine.generation import GenerationRequest
+    from engine.serving import ServingConfig
+    from evalharness.generation import generate_many
+
+    b = len(prompts)
+    eng.serving = ServingConfig(kv_block_size=64, max_batch=b, cuda_graphs=cuda)
+    reqs = [GenerationRequest(tuple(p), new_tokens) for p in prompts]
+    made: list[int] = []
+
+    def run():
+        made[:] = [len(g.tokens) for g in generate_many(eng, reqs, b, step_stats=True)]
+
+    secs = wall_s(run, reps=2)
+    tokens = sum(made)
+    prefill_floor = sum(len(p) for p in prompts) * forward_s_per_token
+    tps, runtime_tps = tokens / secs, b / decode_s
+    decode_secs = secs - prefill_floor
+    return {"batch": b, "new_tokens": tokens, "s": secs, "prefill_floor_s": prefill_floor, "tokens_per_s": tps,
+            "runtime_tokens_per_s": runtime_tps, "ratio": tps / runtime_tps,
+            "ratio_decode": tokens / decode_secs / runtime_tps if decode_secs > 0 else None}
 
 
 @torch.no_grad()
@@ -247,6 +280,8 @@ def main() -> None:
     ap.add_argument("--data-dir", default=os.environ.get("EVALHARNESS_DATA_DIR"), help="the shared data folder")
     ap.add_argument("--work", default="/tmp/bench_harness", help="scratch folder (checkpoint, results)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where bench_harness.{json,txt} go")
+    ap.add_argument("--units-only", action="store_true",
+                    help="the floors and the generation throughput only (no suite runs): bench_harness*_units.*")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the emulation, to check this script itself (with --model tiny and a small --suite)")
     args = ap.parse_args()
@@ -258,6 +293,7 @@ def main() -> None:
     from evalharness.suite import load_suite
 
     label, shape = MODELS[args.model]
+    stem = "bench_harness" if args.model == "llama3-8b" else f"bench_harness_{args.model}"
     layers = args.layers or shape["num_hidden_layers"]
     recipes = [r for r in args.recipes.split(",") if r]
     base = yaml.safe_load(Path(args.suite).read_text())
@@ -286,6 +322,23 @@ def main() -> None:
     out_lines.append(f"load: {load_s:.0f} s (safetensors -> fp32 on the {args.device}); unit times: "
                      + json.dumps({"reference": units["reference"], "engine": units["engine"]}))
     print(out_lines[-1], flush=True)
+    for recipe, unit in units["engine"].items():
+        for b, g in unit["generation"].items():
+            out_lines.append(
+                f"generation {recipe} batch {b}: {g['new_tokens']} new tokens in {g['s']:.2f} s = "
+                f"{g['tokens_per_s']:.0f} tok/s vs the runtime's {g['runtime_tokens_per_s']:.0f} tok/s: "
+                f"{g['ratio']:.2f}x with the prompts' prefill, "
+                + (f"{g['ratio_decode']:.2f}x without its floor ({g['prefill_floor_s']:.2f} s)"
+                   if g["ratio_decode"] is not None else "the prefill floor exceeds the time"))
+            print(out_lines[-1], flush=True)
+    if args.units_only:
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{stem}_units.txt").write_text("\n".join(out_lines) + "\n")
+            (Path(args.out) / f"{stem}_units.json").write_text(json.dumps(
+                {"model": label, "layers": layers, "fingerprint": fingerprint(args.device), "units": units},
+                indent=1, default=str))
+        return
     suite_path = work / "suite.yaml"
     write_suite(suite_path, base, ckpt, label, recipes, backend, args.serving.split(",") if args.serving else None)
     if args.device == "cuda":
@@ -320,7 +373,6 @@ def main() -> None:
            "timing": {d["run_key"]: d["timing"] for d in docs}}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        stem = "bench_harness" if args.model == "llama3-8b" else f"bench_harness_{args.model}"
         (Path(args.out) / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
         (Path(args.out) / f"{stem}.txt").write_text("\n".join(out_lines) + "\n")
 
