@@ -29,6 +29,7 @@ Writes bench_harness.{json,txt} under $OUT (or --out); prints the hardware finge
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -81,7 +82,6 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
     from engine.api import Engine
     from engine.model import Transformer
     from engine.runtime import PagedRuntime
-    from engine.serving import ServingConfig
     from evalharness.reference import ReferenceLM
 
     vocab = loaded.cfg.vocab_size
@@ -99,7 +99,7 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
         fwd = wall_s(lambda e=eng: e.logits(x)) / x.numel()
         dec = {}
         for b in batches:
-            rt = PagedRuntime(eng, ServingConfig(kv_block_size=64, max_batch=b, max_tokens=1024, cuda_graphs=cuda))
+            rt = PagedRuntime(eng, dataclasses.replace(suite_serving(b, cuda), max_tokens=1024))
             for slot in range(b):
                 rt.prefill(slot, prompts[slot])
             ids = torch.arange(b, device=device)
@@ -119,6 +119,14 @@ def unit_costs(loaded, recipes: list[str], batches: list[int], device: str) -> d
     return out
 
 
+def suite_serving(batch: int, cuda: bool):
+    """How a suite's run serves at `batch` (`evalharness.runner.serving_config` of an entry that sets only its batch
+    size: 64-token pages, CUDA graphs on CUDA)."""
+    from evalharness.runner import serving_config
+
+    return serving_config({"batch_size": batch}, cuda)
+
+
 def generation_throughput(eng, prompts: list[list[int]], new_tokens: int, forward_s_per_token: float,
                           decode_s: float, cuda: bool) -> dict:
     """The evaluations' batched generation against the serving runtime's own decode steps, at one batch: every prompt
@@ -127,11 +135,10 @@ def generation_throughput(eng, prompts: list[list[int]], new_tokens: int, forwar
     against the runtime's batch / decode step. `ratio` counts the prompts' prefill in the generation's time;
     `ratio_decode` takes out the prefill's floor (prompt tokens x the forward time per token)."""
     from engine.generation import GenerationRequest
-    from engine.serving import ServingConfig
     from evalharness.generation import generate_many
 
     b = len(prompts)
-    eng.serving = ServingConfig(kv_block_size=64, max_batch=b, cuda_graphs=cuda)
+    eng.serving = suite_serving(b, cuda)
     reqs = [GenerationRequest(tuple(p), new_tokens) for p in prompts]
     made: list[int] = []
 

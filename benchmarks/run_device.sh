@@ -110,19 +110,21 @@ for part in $parts; do
           "${EVALS_DEVICE_SETS[@]}" "${extra[@]}"
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
-    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side,
-      # in parts (benchmarks/split_suite.py deals a model's recipes over them, with the same run keys and fingerprints;
-      # the runs are host-bound, so they share the GPU well; NIGHTLY_SPLIT: its options, default 3 parts a model and
-      # 4 for zoo-moe, the slowest: ten zoo-moe parts finished no more runs per minute than one), each in its own folder, gathered into
-      # $OUT/nightly. What comes back (the device tool returns at most 8 files; the parts' logs are one file): nightly_new.tgz, the full results of the runs finished in this call (gather them in one
-      # folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples (what
-      # --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
-      # .carry/nightly_partial.tgz for the next call. The reference cache is not kept (recomputed once per model and
+    nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side
+      # in parts (benchmarks/split_suite.py deals a model's recipes over them, with the same run keys and
+      # fingerprints; the runs are host-bound, so they share the GPU; NIGHTLY_SPLIT: its options, default 3 parts a
+      # model and 4 for zoo-moe, the slowest: ten zoo-moe parts finished no more runs per minute than one), each in
+      # its own folder, gathered into $OUT/nightly. What comes back (the device tool returns at most 8 files; the
+      # parts' logs are one file): nightly_new.tgz, the full results of the runs finished in this call (gather them
+      # in one folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples
+      # (what --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
+      # .carry/nightly_partial.tgz for the next call. The reference cache is not kept (recomputed once per part and
       # call). Once every run has a result, the whole suite's --resume writes its manifest (suite.json, in
       # nightly_new.tgz). NIGHTLY_TIMEOUT: seconds for the runs.
       mkdir -p "$OUT/nightly"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
-      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml ${NIGHTLY_SPLIT:---shards 3 --shards-for zoo-moe=4}); do
+      split=${NIGHTLY_SPLIT:---shards 3 --shards-for zoo-moe=4}
+      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml $split); do
         part=$(basename "$suite" .yaml); part=${part#.}
         mkdir -p "$OUT/$part" && cp "$OUT"/nightly/*__*.json "$OUT/$part/" 2>/dev/null
         OMP_NUM_THREADS=1 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
