@@ -8,7 +8,8 @@
 #                        the harness indexes (lm_eval_folders of evalharness/taskdata/datasets.yaml: hellaswag, arc,
 #                        piqa, winogrande, lambada, gsm8k, mmlu). benchmarks/run_device.sh unpacks it into /tmp/site.
 #   .carry/data.tar.xz   the shared data the device parts read (task files, stories260K, WikiText-2 and
-#                        SimpleBooks-92 test), xz -9; benchmarks/run_device.sh unpacks it into .carry/data
+#                        SimpleBooks-92 test), xz -9; benchmarks/run_device.sh unpacks it into
+#                        /tmp/evalharness-data
 #
 # Usage (repo root or anywhere):  bash benchmarks/device_carry.sh [DATA_DIR]   (default ../shared/data)
 # Needs pip with access to the package index (sdist-only packages are built into wheels here). Fails, naming
@@ -80,8 +81,6 @@ sizes() {  # what travels against the device tool's limit; fails loudly when ove
        "of $((LIMIT / 1024)) KiB"
   if [ $((tree + carry)) -gt $LIMIT ]; then
     echo "device_carry: FAIL: tree + .carry = $((tree + carry)) bytes > 64 MiB ($LIMIT): the device tool refuses the run" >&2
-    [ -d .carry/data ] && echo "  .carry/data is there (a local run of benchmarks/run_device.sh unpacks the data):" \
-                               "rm -rf .carry/data" >&2
     exit 1
   fi
 }

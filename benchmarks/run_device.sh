@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU run: fingerprint, GPU tests, kernel benchmarks, end-to-end decode, GPU suites.
 # Usage on the device machine (repo root; .carry/ built here by benchmarks/device_carry.sh, device tool
-# carry [".carry"]; its data.tar.xz is unpacked into .carry/data first):
+# carry [".carry"]; its data.tar.xz is unpacked into /tmp/evalharness-data first, outside the tree that each
+# call replaces):
 #   OUT=/some/dir bash benchmarks/run_device.sh [tests] [bench] [e2e] [suites] [capture] [tasks] [nightly] [harness]
 #                                                 [mutations] [parallel] [pack]
 # Each part writes its log under $OUT; a failing part never stops the next one. Without OUT the files go to
@@ -25,14 +26,15 @@ site_packages() {  # the carried packages (benchmarks/device_carry.sh) unpacked 
 export PYTHONPATH=$PWD
 if [ -f .carry/site.tar.xz ]; then site_packages && export PYTHONPATH=/tmp/site:$PWD; fi
 parts=${*:-tests bench e2e suites}
-if [ -f .carry/data.tar.xz ] && [ ! -f .carry/data/README.md ]; then  # once per machine (parts may run side by
-  # side); python's tarfile: no dependence on an xz binary there
-  python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('.carry/data', filter='data')" ||
+DATA=/tmp/evalharness-data
+if [ -f .carry/data.tar.xz ] && [ ! -f $DATA/README.md ]; then  # once per machine (parts may run side by side, and
+  # on into the next call: nightly); python's tarfile: no dependence on an xz binary there
+  python3 -c "import tarfile; tarfile.open('.carry/data.tar.xz').extractall('$DATA', filter='data')" ||
     echo "data: unpacking .carry/data.tar.xz failed"
 fi
 # the data dir only when it came along (a run without the carry uses the built-in models; a dangling
 # EVALHARNESS_DATA_DIR is an error by design)
-if [ -d .carry/data ]; then export EVALHARNESS_DATA_DIR=$PWD/.carry/data; else unset EVALHARNESS_DATA_DIR; fi
+if [ -d $DATA ]; then export EVALHARNESS_DATA_DIR=$DATA; else unset EVALHARNESS_DATA_DIR; fi
 # The `tasks` part's sizes (issue 6: every eval of suites/evals.yaml, at device sizes, on both CUDA backends).
 # Full task sets where they are small (arc_challenge 1172, piqa 1838, winogrande 1267 documents); the large
 # ones limited (hellaswag 1000 of 10042, arc_easy 1000 of 2376, lambada_standard 1000 of 5153, mmlu 20 of each
@@ -90,13 +92,13 @@ for part in $parts; do
     e2e)
       run bench_e2e 300 python benchmarks/bench_e2e.py --batches 1,8,64 --steps 16 --runtime --profile --pdl both
       run bench_e2e_moe 150 python benchmarks/bench_e2e.py --moe --layers 8 --batches 1,8 --steps 6 --no-transformers
-      run bench_capture 120 python benchmarks/bench_capture.py --data-dir .carry/data ;;
+      run bench_capture 120 python benchmarks/bench_capture.py --data-dir $DATA ;;
     suites)
       run suite_gpu 400 python -m evalharness.cli run suites/gpu.yaml --out "$OUT/gpu" --no-tracking
       run suite_invariance 240 python -m evalharness.cli run suites/invariance-gpu.yaml --out "$OUT/invariance" --no-tracking ;;
     capture)  # the per-tap statistics on the GPU: Triton fold vs its torch reference, then capture on vs off
       run errorstats_gpu 120 python -m pytest -q -p no:cacheprovider -o addopts="" -rs -m gpu -k errorstats tests/
-      run bench_capture 150 python benchmarks/bench_capture.py --data-dir .carry/data ;;
+      run bench_capture 150 python benchmarks/bench_capture.py --data-dir $DATA ;;
     tasks)  # lm-eval tasks, long context, per-layer error, PPL/KLD (suites/evals.yaml) with the carried wheels.
       # EVALS_EXTRA: more --set options, appended; EVALS_TIMEOUT: seconds (default 420). A CPU dry run of this
       # part in an environment with lm-eval installed (no .carry/site.tar.xz):
@@ -111,54 +113,55 @@ for part in $parts; do
         python benchmarks/timing_table.py "$OUT/evals" > "$OUT/evals_timing.txt" 2>&1; cat "$OUT/evals_timing.txt"
       ) ;;
     nightly)  # suites/nightly.yaml on cuda-native, resumable across calls and sessions. The models run side by side
-      # in parts (benchmarks/split_suite.py deals a model's recipes over them, with the same run keys and
-      # fingerprints; the runs are host-bound, so they share the GPU; NIGHTLY_SPLIT: its options, default 3 parts a
-      # model and 4 for zoo-moe, the slowest: ten zoo-moe parts finished no more runs per minute than one), each in
-      # its own folder, gathered into $OUT/nightly. What comes back (the device tool returns at most 8 files; the
-      # parts' logs are one file): nightly_new.tgz, the full results of the runs finished in this call (gather them
-      # in one folder here), and nightly_resume.tgz, every finished run's result without its metrics and samples
-      # (what --resume reads: status and fingerprint, a few KiB a run, so the carry stays small): put it at
-      # .carry/nightly_partial.tgz for the next call. The reference cache is not kept (recomputed once per part and
-      # call). Once every run has a result, the whole suite's --resume writes its manifest (suite.json, in
-      # nightly_new.tgz). NIGHTLY_TIMEOUT: seconds for the runs.
-      mkdir -p "$OUT/nightly"
+      # in parts (benchmarks/split_suite.py deals a model's recipes, and with --serving-apart its serving configs,
+      # over them, with the whole suite's run keys and fingerprints; the runs are host-bound, so they share the GPU;
+      # NIGHTLY_SPLIT: its options, default 3 parts a model and 4 for zoo-moe), each in its own folder. The parts run
+      # detached (setsid) in /tmp/nightly-parts, outside the tree that a call replaces: a run longer than one call
+      # goes on into the next call while the machine is warm (a call within the device tool's idle release of the
+      # last). A call starts the parts with runs left (--pending) unless parts are still running from an earlier
+      # call, waits up to NIGHTLY_TIMEOUT seconds (default 540) for them, and returns what finished (the device tool
+      # returns at most 8 files; the parts' logs are one file): nightly_new.tgz, the full results new to the carry
+      # (gather them in one folder here), and nightly_resume.tgz, every finished run's stub (status and
+      # fingerprint, what --resume reads; benchmarks/gather_parts.py): put it at .carry/nightly_partial.tgz for
+      # the next call. NIGHTLY_RUN_LIMIT: seconds a part may run in all (default 3000). The reference cache is not
+      # kept (recomputed once per part). Once every run has a result and no part runs, the whole suite's --resume
+      # writes its manifest (suite.json, in nightly_new.tgz; NIGHTLY_MANIFEST_TIMEOUT, default 300). A CPU dry run
+      # of the mechanics: NIGHTLY_SUITE=suites/smoke.yaml NIGHTLY_DEVICE=cpu NIGHTLY_SPLIT= OUT=/tmp/x bash ... nightly
+      work=/tmp/nightly-parts nsuite=${NIGHTLY_SUITE:-suites/nightly.yaml} ndevice=${NIGHTLY_DEVICE:-cuda}
+      mkdir -p "$OUT/nightly" "$work"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
-      split=${NIGHTLY_SPLIT:---shards 3 --shards-for zoo-moe=4}
-      for suite in $(python benchmarks/split_suite.py suites/nightly.yaml $split); do
-        part=$(basename "$suite" .yaml); part=${part#.}
-        mkdir -p "$OUT/$part" && cp "$OUT"/nightly/*__*.json "$OUT/$part/" 2>/dev/null
-        OMP_NUM_THREADS=1 run "$part" "${NIGHTLY_TIMEOUT:-540}" python -m evalharness.cli run "$suite" --device cuda \
-          --resume --no-tracking --out "$OUT/$part" &
-      done
-      wait
-      for f in "$OUT"/nightly-*.log; do echo "== ${f##*/}"; cat "$f"; done > "$OUT/nightly_parts.log" && rm -f "$OUT"/nightly-*.log
-      : > "$OUT/nightly_new.txt"
-      for d in "$OUT"/nightly-*/; do  # a result that differs from the carried one was written in this call
-        for f in "$d"*__*.json; do
-          [ -e "$f" ] || continue
-          cmp -s "$f" "$OUT/nightly/${f##*/}" || { cp "$f" "$OUT/nightly/"; echo "${f##*/}" >> "$OUT/nightly_new.txt"; }
+      running() { local f; for f in "$work"/*.pid; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && return 0; done; return 1; }
+      python benchmarks/gather_parts.py "$OUT/nightly" "$work"/*/ > "$OUT/nightly_new.txt"  # finished since the last call
+      if ! running; then
+        split=${NIGHTLY_SPLIT---shards 3 --shards-for zoo-moe=4}
+        # only the parts with runs left (--pending: the runner's own resume check against the results so far)
+        for suite in $(python benchmarks/split_suite.py "$nsuite" $split --pending "$OUT/nightly"); do
+          part=$(basename "$suite" .yaml); part=${part#.}
+          rm -f "$work/$part.rc" && mkdir -p "$work/$part" && cp "$OUT"/nightly/*__*.json "$work/$part/" 2>/dev/null
+          OMP_NUM_THREADS=1 setsid bash -c 't0=$(date +%s); timeout "$1" python -m evalharness.cli run "$2" --device "$4" \
+            --resume --no-tracking --out "$3"; echo "rc=$? in $(( $(date +%s) - t0 ))s" > "$3.rc"' _ \
+            "${NIGHTLY_RUN_LIMIT:-3000}" "$suite" "$work/$part" "$ndevice" > "$work/$part.log" 2>&1 < /dev/null &
+          echo $! > "$work/$part.pid"
         done
-        rm -rf "$d"
+      fi
+      end=$(( $(date +%s) + ${NIGHTLY_TIMEOUT:-540} ))
+      while running && [ "$(date +%s)" -lt $end ]; do sleep 5; done
+      python benchmarks/gather_parts.py "$OUT/nightly" "$work"/*/ >> "$OUT/nightly_new.txt"
+      for f in "$work"/*.log; do
+        [ -e "$f" ] || continue
+        echo "${f##*/}: $(cat "${f%.log}.rc" 2>/dev/null || echo running)"; tail -3 "$f"
+        echo "== ${f##*/}" >> "$OUT/nightly_parts.log"; cat "$f" >> "$OUT/nightly_parts.log"
       done
-      if python -c "import pathlib, sys; from evalharness.suite import load_suite
-sys.exit(any(not pathlib.Path(sys.argv[1], r.key + '.json').exists() for r in load_suite('suites/nightly.yaml').runs))" \
-          "$OUT/nightly"; then  # every run has its result: the whole suite (skips them all, writes its manifest)
-        run nightly 300 python -m evalharness.cli run suites/nightly.yaml --device cuda --resume --no-tracking \
+      if ! running && python -c "import pathlib, sys; from evalharness.suite import load_suite
+sys.exit(any(not pathlib.Path(sys.argv[1], r.key + '.json').exists() for r in load_suite(sys.argv[2]).runs))" \
+          "$OUT/nightly" "$nsuite"; then  # every run has its result: the whole suite (skips them all, writes its manifest)
+        run nightly "${NIGHTLY_MANIFEST_TIMEOUT:-300}" python -m evalharness.cli run "$nsuite" --device "$ndevice" --resume --no-tracking \
           --out "$OUT/nightly" && echo suite.json >> "$OUT/nightly_new.txt"
       fi
       python benchmarks/timing_table.py "$OUT/nightly" > "$OUT/nightly_timing.txt" 2>&1
       tar czf "$OUT/nightly_new.tgz" -C "$OUT/nightly" -T "$OUT/nightly_new.txt" && rm "$OUT/nightly_new.txt"
-      python - "$OUT/nightly" "$OUT/stub/nightly" <<'EOF'
-import json, pathlib, sys
-src, dst = map(pathlib.Path, sys.argv[1:])
-dst.mkdir(parents=True, exist_ok=True)
-for p in src.glob("*__*.json"):
-    doc = json.loads(p.read_text())
-    doc["metrics"] = {}
-    doc.pop("samples", None)
-    (dst / p.name).write_text(json.dumps(doc))
-EOF
-      tar czf "$OUT/nightly_resume.tgz" -C "$OUT/stub" nightly && rm -rf "$OUT/nightly" "$OUT/stub" ;;
+      python benchmarks/gather_parts.py "$OUT/nightly" --stubs "$OUT/stub/nightly" &&
+        tar czf "$OUT/nightly_resume.tgz" -C "$OUT/stub" nightly && rm -rf "$OUT/nightly" "$OUT/stub" ;;
     mutations)  # the native-kernel mutations of suites/selftest/mutations.yaml (device: gpu) with their nulls
       run mutations_gpu 560 python -m evalharness.cli selftest --mutations --out "$OUT/mutations-gpu" \
         --only gpu-quant-rtz,gpu-attn-split-k-dropped,gpu-gemm-scale-layout-k128-mod4,gpu-mx-e8m0-off-by-one,gpu-paged-decode-page-off-by-one,gpu-cuda-graph-stale-buffer
@@ -166,7 +169,7 @@ EOF
     harness)  # benchmarks/bench_harness.py: the nightly's evaluations on a Llama-3-8B-shaped checkpoint (HARNESS_ARGS)
       read -ra hargs <<< "${HARNESS_ARGS:-}"
       (
-        run bench_harness "${HARNESS_TIMEOUT:-570}" python benchmarks/bench_harness.py --data-dir .carry/data \
+        run bench_harness "${HARNESS_TIMEOUT:-570}" python benchmarks/bench_harness.py --data-dir $DATA \
           --work /tmp/bench_harness "${hargs[@]}"
       ) ;;
     pack)  # the device tool brings back a handful of files: pack everything into one archive
