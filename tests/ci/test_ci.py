@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -178,6 +179,10 @@ def test_nightly_workflow():
     assert "evalharness report" in runs and "evalharness trend" in runs
     gate = _step(job, "Gate (advisory)")
     assert "--junit nightly-out/junit.xml --summary nightly-out/gate-summary.md" in gate["run"]
+    assert '--baselines "$NIGHTLY_BASELINES"' in gate["run"] and "NIGHTLY_BASELINES" in job["env"]
+    promote = _step(job, "Promote this night to the nightly baselines")
+    assert wf["on"]["workflow_dispatch"]["inputs"]["promote"]["default"] is False
+    assert promote["if"].startswith("success() && inputs.promote")  # by hand, never after a failed step
     summary = _step(job, "Gate summary and JUnit results to the step summary")
     assert 'ci/slowest.py -n 0 --markdown "$GITHUB_STEP_SUMMARY"' in summary["run"]
     assert 'nightly-out/report/report.md >> "$GITHUB_STEP_SUMMARY"' in _step(job, "Report and trend")["run"]
@@ -185,6 +190,32 @@ def test_nightly_workflow():
     assert len(always) >= 5 and all("env.NIGHT != ''" in s["if"] for s in always)
     upload = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
     assert "always()" in upload["if"] and "nightly-out/" in upload["with"]["path"]
+
+
+def test_nightly_promote_then_gate_steps_run(tmp_path):
+    """The gate step and the promote step, run as GitHub runs them on a results folder of the H200 (two runs): with
+    no nightly baselines every rule WARNs and the gate passes (advisory); promoted, the same night gates against
+    them, every rule compared."""
+    job = _load("nightly.yml")["jobs"]["nightly"]
+    gate, promote = _step(job, "Gate (advisory)"), _step(job, "Promote this night to the nightly baselines")
+    history, base = tmp_path / "history", tmp_path / "nightly-baselines"
+    shutil.copytree(REPO / "tests" / "data" / "suite_gpu_h200_zoo_moe", history / "2026-12-01")
+    env = dict(os.environ, NIGHTLY_HISTORY=str(history), NIGHT="2026-12-01", NIGHTLY_BASELINES=str(base))
+    summary = tmp_path / "nightly-out" / "gate-summary.md"
+
+    def step(script: dict) -> str:
+        p = subprocess.run(BASH + [script["run"]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    step(gate)
+    assert "4 PASS, 4 WARN, 0 FAIL over 2 run(s)" in summary.read_text() and "no baseline for this run" in \
+        summary.read_text()
+    assert "2 baseline file(s) written" in step(promote)
+    assert len(list(base.glob("gpu/h200/*.json"))) == 2
+    step(gate)
+    assert "8 PASS, 0 WARN, 0 FAIL over 2 run(s)" in summary.read_text()
 
 
 @pytest.mark.parametrize("value, night", [
