@@ -8,8 +8,7 @@ skips. `--shards N` deals each model's recipes round-robin into N parts (`.<suit
 further into one part per serving config (`...-<serving>.yaml`): with `--shards` as large as the recipes list, one
 run a part. `--pending DIR` writes only the parts with a run that `--resume` into DIR would not skip (no finished
 result of its fingerprint there), `--max-parts N` the first N of those, `--only-serving NAME` those of one serving
-config. `benchmarks/run_device.sh nightly` runs the
-nightly this way on one GPU (its runs are host-bound).
+config. `benchmarks/run_device.sh nightly` runs the nightly this way on one GPU (its runs are host-bound).
 
   python benchmarks/split_suite.py suites/nightly.yaml --shards 3
   python benchmarks/split_suite.py suites/nightly.yaml --shards-for zoo-moe=10 --serving-apart --pending out/nightly
