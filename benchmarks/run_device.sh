@@ -131,6 +131,10 @@ for part in $parts; do
       mkdir -p "$OUT/nightly" "$work"
       [ -f .carry/nightly_partial.tgz ] && tar xzf .carry/nightly_partial.tgz -C "$OUT"
       running() { local f; for f in "$work"/*.pid; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && return 0; done; return 1; }
+      # a new process session for each part (setsid, else python's os.setsid where util-linux is absent); a simple
+      # command sent to the background, so that $! is the part's own pid
+      if command -v setsid > /dev/null; then detach=(setsid)
+      else detach=(python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])'); fi
       python benchmarks/gather_parts.py "$OUT/nightly" "$work"/*/ > "$OUT/nightly_new.txt"  # finished since the last call
       if ! running; then
         split=${NIGHTLY_SPLIT---shards 3 --shards-for zoo-moe=4}
@@ -138,7 +142,7 @@ for part in $parts; do
         for suite in $(python benchmarks/split_suite.py "$nsuite" $split --pending "$OUT/nightly"); do
           part=$(basename "$suite" .yaml); part=${part#.}
           rm -f "$work/$part.rc" && mkdir -p "$work/$part" && cp "$OUT"/nightly/*__*.json "$work/$part/" 2>/dev/null
-          OMP_NUM_THREADS=1 setsid bash -c 't0=$(date +%s); timeout "$1" python -m evalharness.cli run "$2" --device "$4" \
+          OMP_NUM_THREADS=1 "${detach[@]}" bash -c 't0=$(date +%s); timeout "$1" python -m evalharness.cli run "$2" --device "$4" \
             --resume --no-tracking --out "$3"; echo "rc=$? in $(( $(date +%s) - t0 ))s" > "$3.rc"' _ \
             "${NIGHTLY_RUN_LIMIT:-3000}" "$suite" "$work/$part" "$ndevice" > "$work/$part.log" 2>&1 < /dev/null &
           echo $! > "$work/$part.pid"
