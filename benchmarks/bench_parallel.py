@@ -148,7 +148,7 @@ def main() -> None:
             lines.append(f"{r['tp']:>3} {r['ep']:>3} {r['kld_mean']:>10.3g} {r['kld_max']:>10.3g} {r['top1']:>7.4f} "
                          f"{str(r['bitwise']):>8} {r['token_agreement']:>9.3f} {r['step_ms']:>8.2f} "
                          f"{r['tp1_step_ms']:>8.2f} {r['ep_bytes_per_step_rank']:>15.0f} {r['kv_heads_per_rank']:>9}")
-        fp = fingerprint(args.device) if cuda else {"device": "cpu"}
+        fp = fingerprint(args.device)
         lines.append(f"fingerprint: {json.dumps(fp)}")
         print("\n".join(lines))
         if args.out:

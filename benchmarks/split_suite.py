@@ -77,19 +77,14 @@ def _one_serving(part: dict, serving: dict) -> dict:
 
 
 def _runs_left(part: Path, results: Path, data_dir: str | None) -> bool:
-    """Whether the suite file `part` has a run that `--resume` into `results` would run (the runner's own check)."""
-    from evalharness.fingerprint import model_inputs, resume_check, run_fingerprint
+    """Whether the suite file `part` has a run that `--resume` into `results` would run: the runner's own resume plan
+    (`evalharness.runner._resume_plan`: a finished result of the run's fingerprint is skipped)."""
+    from evalharness.runner import _resume_plan
     from evalharness.suite import load_suite
 
     suite = load_suite(part, data_dir=data_dir)
-    inputs: dict = {}
-    for r in suite.runs:
-        name = r.model["name"]
-        if name not in inputs:
-            inputs[name] = model_inputs(r.model)
-        if not resume_check(results / f"{r.key}.json", run_fingerprint(r, inputs[name], suite.reference_device))[0]:
-            return True
-    return False
+    skip, _ = _resume_plan(suite, results, lambda _line: None)
+    return any(r.key not in skip for r in suite.runs)
 
 
 def main(argv: list[str] | None = None) -> int:
