@@ -176,39 +176,34 @@ def mla_attention(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig,
     k_pe_raw = k_pe
     k_pe = rot(k_pe.reshape(b, 1, t, rope), cos, sin)  # (batch, 1, t, rope)
     c_kv = c_kv.reshape(b, 1, t, m.kv_lora_rank)  # (batch, 1, t, kv_lora_rank)
-    paged = cache is not None and hasattr(cache, "attend")
-    if paged:  # paged runtime: each row over its own sequence's pages
-        rows = [_mla_keys(nx, w, cfg, i, kr, cr, t)
-                for kr, cr in nx.paged_latent(cache, i, k_pe, c_kv, tp + "attn")]
-        new = torch.cat([r[2] for r in rows])  # (batch, t, heads*(nope+dv))
+    if cache is not None and hasattr(cache, "attend"):  # paged runtime: every row's pages, padded to the longest
+        k_pe, c_kv = nx.paged_latent(cache, i, k_pe, c_kv, tp + "attn")  # (batch, 1, n, rope|kv_lora_rank)
+        k_pos = torch.arange(c_kv.shape[2], device=hn.device)  # a row's positions past its query: causally masked
+        k, v, kv = _mla_keys(nx, w, cfg, i, k_pe, c_kv)
+        new = kv.gather(1, pos[:, :, None].expand(b, t, kv.shape[-1]))  # this call's tokens, at each row's positions
     else:
         k_pe, c_kv, k_pos = _store(nx, cache, i, k_pe, c_kv, pos, tp + "attn")
-        k, v, new = _mla_keys(nx, w, cfg, i, k_pe, c_kv, t)
+        k, v, kv = _mla_keys(nx, w, cfg, i, k_pe, c_kv)
+        new = kv[:, kv.shape[1] - t:]  # this call's tokens
     nx.emit(tp + "attn.kv", new)
     if nx.tapping:
         k_nope_new, v_new = new.view(b, t, h, nope + dv).split([nope, dv], dim=-1)  # (batch, t, heads, nope|dv)
         k_tap = torch.cat((k_nope_new, k_pe_raw[:, :, None, :].expand(b, t, h, rope)), dim=-1)  # (b, t, h, nope+rope)
         nx.emit(tp + "attn.k", k_tap.reshape(b, t, h * (nope + rope)))
         nx.emit(tp + "attn.v", v_new.reshape(b, t, h * dv))
-    if paged:
-        out = torch.cat([nx.attention(q[r:r + 1], k, v, pos[r], torch.arange(k.shape[2], device=hn.device),
-                                      tp + "attn", cfg.window(i), scale=scale) for r, (k, v, _) in enumerate(rows)])
-    else:
-        out = nx.attention(q, k, v, pos, k_pos, tp + "attn", cfg.window(i), scale=scale)  # (batch, t, heads*dv)
+    out = nx.attention(q, k, v, pos, k_pos, tp + "attn", cfg.window(i), scale=scale)  # (batch, t, heads*dv)
     return _attn_output(nx, w, out, p, tp)
 
 
 def _mla_keys(nx: Numerics, w: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, k_pe: torch.Tensor,
-              c_kv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MLA's per-head keys and values from the cached RoPE'd key k_pe (batch, 1, tk, rope) and latent c_kv
     (batch, 1, tk, kv_lora_rank) (cache-format values): (k (batch, heads, tk, nope+rope), v (batch, heads, tk, dv),
-    the last t tokens' kv_b_proj output (batch, t, heads*(nope+dv)))."""
+    the kv_b_proj output (batch, tk, heads*(nope+dv)))."""
     m = cfg.mla
     b, tk = c_kv.shape[0], c_kv.shape[2]
     h, nope, rope, dv = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     a = f"model.layers.{i}.self_attn."
     kv = nx.linear(c_kv[:, 0], w[a + "kv_b_proj.weight"], None, f"layers.{i}.attn.kv_b_proj")  # (b, tk, h*(nope+dv))
-    new = kv[:, tk - t:]  # this call's tokens
-    kv = kv.view(b, tk, h, nope + dv).transpose(1, 2)  # (batch, heads, tk, nope+dv)
-    k_nope, v = kv.split([nope, dv], dim=-1)
-    return torch.cat((k_nope, k_pe.expand(b, h, tk, rope)), dim=-1), v, new
+    k_nope, v = kv.view(b, tk, h, nope + dv).transpose(1, 2).split([nope, dv], dim=-1)  # (batch, heads, tk, ...)
+    return torch.cat((k_nope, k_pe.expand(b, h, tk, rope)), dim=-1), v, kv

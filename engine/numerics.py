@@ -298,15 +298,11 @@ class Numerics:
         hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
         self._paged_write(view, layer, k, v, module)
         q_pos = view.positions(q.shape[2])
+        t = q.shape[2]  # one gather per sequence (the rows' positions read on the host once per forward)
+        rows = [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
         outs = [self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(kb.shape[2], device=q.device), module,
-                               window) for b, (kb, vb) in enumerate(self._paged_rows(view, layer, q.shape[2]))]
+                               window) for b, (kb, vb) in enumerate(rows)]
         return torch.cat(outs), None
-
-    @staticmethod
-    def _paged_rows(view, layer: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each row's cached K and V (values) up to this call's last token, ((1, heads, n, d), (1, heads, n, dv))
-        with n = its start + t: one gather per sequence (the rows' positions read on the host once per forward)."""
-        return [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
 
     def _paged_write(self, view, layer: int, k: torch.Tensor, v: torch.Tensor, module: str) -> None:
         """This call's K/V into the pages of `view` through the formats library (a KV format the pages do not hold
@@ -316,14 +312,21 @@ class Numerics:
         view.rt.kv.write(layer, view.seq_ids, view.start, k, v)
 
     def paged_latent(self, view, layer: int, k_pe: torch.Tensor, c_kv: torch.Tensor,
-                     module: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA on the paged runtime: store this call's RoPE'd key k_pe (batch, 1, t, rope) and normed latent c_kv
         (batch, 1, t, kv_lora_rank) in the pages of `view` as `paged_attention` stores K and V (sites `kv.k` /
-        `kv.v`), then return each row's cached key and latent up to this call's last token, ((1, 1, n, rope),
-        (1, 1, n, kv_lora_rank)) fp32 values with n = its start + t (the rows' positions read on the host once per
-        forward). Every backend: no kernel reads MLA pages; the keys and values are rebuilt per row by kv_b_proj."""
+        `kv.v`), then return every row's cached key and latent at once, ((batch, 1, n, rope), (batch, 1, n,
+        kv_lora_rank)) fp32 values with n = the longest row's start + t (read on the host once per forward); a
+        row's positions past its own start + t are zeros (the caller's causal mask hides them, and a per-tensor
+        quantization of the latent sees only cached values). Every backend: no kernel reads MLA pages; the keys and
+        values are rebuilt for the whole batch by kv_b_proj."""
         self._paged_write(view, layer, k_pe, c_kv, module)
-        return self._paged_rows(view, layer, k_pe.shape[2])
+        t, kv = k_pe.shape[2], view.rt.kv
+        n = max(view.host_rows()[1]) + t
+        kb, vb = kv.gather_rows(layer, view.seq_ids, -(-n // kv.block_size))
+        kb, vb = kb[:, :, :n], vb[:, :, :n]  # (batch, 1, n, rope), (batch, 1, n, kv_lora_rank)
+        live = (torch.arange(n, device=kb.device) < (view.start + t)[:, None])[:, None, :, None]  # (batch, 1, n, 1)
+        return kb.where(live, 0.0), vb.where(live, 0.0)
 
     def paged_attention_rows(self, view, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: str,
                              window: int | None) -> tuple[torch.Tensor, Optional[QTensor]]:

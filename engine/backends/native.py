@@ -599,9 +599,13 @@ class NativeNumerics(NativeParallel, Numerics):
             # the FP8-reading attention is the paged runtime's (FP8 pages + scales, `engine.runtime`).
             self._count("attention", "fallback:fp32-carrier")
             return super().attention(q, k, v, q_pos, k_pos, module, sliding_window, scale)
-        out = self._attn_k.flash_attention(qc.contiguous(), kc.contiguous(), vc.contiguous(), q_pos, k_pos,
-                                           scale=scale, sliding_window=sliding_window,
-                                           block_m=self.attn_block, block_n=self.attn_block)
+        flash = functools.partial(self._attn_k.flash_attention, scale=scale, sliding_window=sliding_window,
+                                  block_m=self.attn_block, block_n=self.attn_block)
+        if q_pos.dim() == 2:  # positions per row (MLA on the paged runtime): the kernel takes one row's at a time
+            out = torch.cat([flash(qc[r:r + 1].contiguous(), kc[r:r + 1].contiguous(), vc[r:r + 1].contiguous(),
+                                   q_pos[r], k_pos) for r in range(q.shape[0])])
+        else:
+            out = flash(qc.contiguous(), kc.contiguous(), vc.contiguous(), q_pos, k_pos)
         self._count("attention", "native")
         return out.float()
 

@@ -274,20 +274,22 @@ class PagedKVCache:
     def gather_rows(self, layer: int, seq_ids: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first `num_blocks` pages of each sequence in `seq_ids` (a (batch,) device tensor), through
         the block table on the device: (k (batch, kv_heads, num_blocks * block_size, head_dim), v (..., head_dim_v))
-        fp32, no host read (graph-capturable). Positions past a sequence's length hold whatever its pages (or the
-        trash page) hold: the caller masks them. Float caches only (FP8 pages carry scales: `gather`)."""
-        if self.fp8:
-            raise ValueError("gather_rows reads float pages; FP8 pages are read with their scales (gather)")
+        fp32 values (FP8 pages dequantized with their scales as `gather` does), no host read (graph-capturable).
+        Positions past a sequence's length hold whatever its pages (or the trash page) hold: the caller masks them."""
         if not 1 <= num_blocks <= self.max_blocks_per_seq:
             raise ValueError(f"num_blocks {num_blocks}: between 1 and max_blocks_per_seq {self.max_blocks_per_seq}")
         pages = self.block_tables[seq_ids.long(), :num_blocks].long()  # (batch, num_blocks)
 
         def take(x: torch.Tensor) -> torch.Tensor:
-            """(pages, h, block, dim) -> (batch, h, num_blocks * block, dim)."""
-            y = x[pages].permute(0, 2, 1, 3, 4)  # (batch, h, num_blocks, block, dim)
-            return y.reshape(y.shape[0], y.shape[1], num_blocks * self.block_size, y.shape[-1]).float()
+            """(pages, h, block, ...) -> (batch, h, num_blocks * block, ...)."""
+            y = x[pages].transpose(1, 2)  # (batch, h, num_blocks, block, ...)
+            return y.reshape(y.shape[0], y.shape[1], num_blocks * self.block_size, *y.shape[4:])
 
-        return take(self.k_data(layer)), take(self.v_data(layer))
+        k, v = take(self.k_data(layer)).float(), take(self.v_data(layer)).float()
+        if self.fp8:
+            k = k * take(self._ks[layer])[..., None]
+            v = v * take(self._vs[layer]).repeat_interleave(128, dim=-1)[..., :self.head_dim_v]
+        return k, v
 
     def gather(self, layer: int, seq_id: int, length: Optional[int] = None, dequantize: bool = True):
         """Contiguous K/V of one sequence (the emulated paged attention's read, MLA's latent read, tests). The pages

@@ -90,6 +90,37 @@ def test_mla_pages_hold_the_cache_format_and_serve_in_batches(zoo):
         assert torch.equal(k, cache.k[layer]) and torch.equal(v, cache.v[layer]), layer
 
 
+@pytest.mark.parametrize("recipe", ["fp32", "fp8-kv"])
+def test_paged_latent_reads_every_row_at_once_zero_past_its_length(zoo, recipe):
+    """`Numerics.paged_latent` returns the whole batch's cached keys and latents padded to the longest row: each
+    row's positions up to its start + t are the values its pages hold (`PagedKVCache.gather`, bit for bit), the
+    positions past them zeros."""
+    from engine.runtime import PagedRuntime, _PagedView
+
+    eng = Engine(zoo["zoo-moe"], recipe)
+    m = eng.cfg.mla
+    rt = PagedRuntime(eng, ServingConfig(max_batch=3, max_tokens=64, kv_block_size=16))
+    gen = torch.Generator().manual_seed(0)
+
+    def call(ids: list[int], starts: list[int], t: int):
+        for sid, st in zip(ids, starts):
+            rt.kv.allocate(sid, st + t)
+        view = _PagedView(rt, torch.tensor(ids), torch.tensor(starts))
+        k_pe = torch.randn(len(ids), 1, t, m.qk_rope_head_dim, generator=gen)
+        c_kv = torch.randn(len(ids), 1, t, m.kv_lora_rank, generator=gen)
+        return eng.nx.paged_latent(view, 0, k_pe, c_kv, "layers.0.attn")
+
+    for sid, t in ((0, 20), (1, 2), (2, 17)):  # prompts of different lengths (one or two pages), one call each
+        call([sid], [0], t)
+    k, v = call([2, 0, 1], [17, 20, 2], 1)  # a decode step of all three
+    assert k.shape == (3, 1, 21, m.qk_rope_head_dim) and v.shape == (3, 1, 21, m.kv_lora_rank)
+    for row, (sid, n) in enumerate(((2, 18), (0, 21), (1, 3))):
+        kg, vg = rt.kv.gather(0, sid, n)
+        assert torch.equal(k[row:row + 1, :, :n], kg) and torch.equal(v[row:row + 1, :, :n], vg), row
+        assert not k[row, :, n:].any() and not v[row, :, n:].any(), row
+    assert v[:, :, :3].abs().min() > 0  # the stored latents themselves are not zeros
+
+
 def test_a_request_that_stops_at_once_frees_its_slot(zoo):
     """A request whose first token is a stop id (or whose budget is 1) ends at prefill; the next waiting request
     takes its slot, and everything still matches one request at a time."""

@@ -137,10 +137,13 @@ def test_fp8_paged_max_tq_is_a_serving_option():
             ServingConfig(fp8_paged_max_tq=bad)
 
 
-def test_gather_rows_reads_each_rows_pages_through_the_block_table(tiny):
-    """`PagedKVCache.gather_rows` (device block table, no host read) holds each sequence's gathered K/V first."""
-    eng = Engine(tiny, "fp32")
+@pytest.mark.parametrize("recipe", ["fp32", "fp8-kv"])
+def test_gather_rows_reads_each_rows_pages_through_the_block_table(tiny, recipe):
+    """`PagedKVCache.gather_rows` (device block table, no host read) holds each sequence's gathered K/V first:
+    the values `gather` reads, bit for bit (FP8 pages dequantized with their scales)."""
+    eng = Engine(tiny, recipe)
     rt = PagedRuntime(eng, ServingConfig(max_tokens=64, kv_block_size=16, max_batch=3))
+    assert rt.kv.fp8 == (recipe == "fp8-kv")
     rt.generate(PROMPTS[:3], 5)
     ids = torch.tensor([2, 0, 1])
     k, v = rt.kv.gather_rows(0, ids, rt.kv.max_blocks_per_seq)
