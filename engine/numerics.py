@@ -95,10 +95,11 @@ class Numerics:
             self.tap(name, x if self.parallel is None else self.parallel.gather_tap(name, x))
 
     def quant(self, x: torch.Tensor, site: str, module: str, spec: str | None = None) -> QTensor:
-        """Quantize `x` with the recipe's spec for (site, module)."""
+        """Quantize `x` with the recipe's spec for (site, module); the format's counts (`QTensor.stats`) are
+        gathered for the observer only (nobody else reads them)."""
         spec = spec or self.recipe.spec(site, module)
         static = self.recipe.static_scale(site, module) if self.recipe.scales else None
-        q = quantize(x, spec) if static is None else quantize(x, spec, scale=static)
+        q = quantize(x, spec, scale=static, counts=self.observer is not None)
         if self.observer is not None:
             self.observer(module, site, q)
         return q

@@ -91,7 +91,8 @@ class QTensor:
         orig_dtype: the input dtype (``fake_quantize`` casts back to it).
         tensor_scale: NVFP4 per-tensor fp32 scale (0-d), else None.
         counts: 0-d tensors gathered at quantize time for :meth:`stats`
-            (kept as tensors so quantize never synchronizes a GPU).
+            (kept as tensors so quantize never synchronizes a GPU); empty
+            when quantized with ``counts=False``.
     """
 
     data: torch.Tensor
@@ -164,6 +165,9 @@ class QTensor:
         finite effective scales; {} for passthrough).  Fractions are over
         all ``n`` elements (0.0 for empty tensors).
         """
+        if not self.counts:
+            raise ValueError(f"stats() of a {self.spec} QTensor quantized without its counts: quantize it with "
+                             "counts=True (engine.numerics.Numerics gathers them while an observer is installed)")
         c = {k: v.item() for k, v in self.counts.items()}
         n = int(c.get("n", 0))
 
@@ -223,10 +227,12 @@ def _encode_data(vals: torch.Tensor, elem: str, shape: torch.Size) -> torch.Tens
     return codes_to_torch(values_to_codes(vals, fmt), fmt).reshape(shape)
 
 
-def _quantize_passthrough(xf: torch.Tensor, spec: QuantSpec, orig_dtype: torch.dtype) -> QTensor:
-    """Cast to fp32/bf16/fp16; counts overflow-to-Inf, underflow and subnormals."""
+def _quantize_passthrough(xf: torch.Tensor, spec: QuantSpec, orig_dtype: torch.dtype, counts: bool) -> QTensor:
+    """Cast to fp32/bf16/fp16; counts overflow-to-Inf, underflow and subnormals (when `counts`)."""
     dt = HIGH_PRECISION_DTYPES[spec.elem]
     data = xf.to(dt)
+    if not counts:
+        return QTensor(data=data, scale=None, spec=spec, shape=xf.shape, orig_dtype=orig_dtype)
     back = data.to(torch.float32)
     x2, v2 = xf.reshape(-1), back.reshape(-1)
     overflow = torch.isfinite(x2) & torch.isinf(v2)
@@ -237,7 +243,7 @@ def _quantize_passthrough(xf: torch.Tensor, spec: QuantSpec, orig_dtype: torch.d
 
 def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = None,
              rounding: str = "rne", generator: Optional[torch.Generator] = None,
-             saturate: bool = True) -> QTensor:
+             saturate: bool = True, counts: bool = True) -> QTensor:
     """Quantize ``x`` according to ``spec`` (string or :class:`QuantSpec`).
 
     Args:
@@ -257,6 +263,9 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
         saturate: overflow behaviour of E4M3/E5M2 elements for scaled specs
             (False: E4M3 -> NaN, E5M2 -> Inf).  MX and NVFP4 always saturate
             (OCP MX rule; E2M1 has no Inf/NaN).
+        counts: gather the 0-d count tensors that :meth:`QTensor.stats`
+            reads (a dozen reductions over the input); False skips them
+            (the data and scales are the same either way).
 
     Returns:
         :class:`QTensor`.
@@ -269,7 +278,7 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
     if sp.is_passthrough:
         if scale is not None:
             raise ValueError(f"spec {sp} is a passthrough cast and takes no scale")
-        return _quantize_passthrough(xf, sp, orig_dtype)
+        return _quantize_passthrough(xf, sp, orig_dtype, counts)
     fmt = get_format(sp.elem)
     x2 = G.as_2d(xf)
     m, k = x2.shape
@@ -319,10 +328,9 @@ def quantize(x: torch.Tensor, spec: SpecLike, *, scale: Optional[ScaleLike] = No
         tensor_scale = ts
     else:  # pragma: no cover - parse_spec never produces this
         raise ValueError(f"unsupported spec kind {sp.kind!r}")
-    counts = _counts(x2, vals, overflow, None if fmt.is_integer else fmt.min_normal)
     data = _encode_data(vals, sp.elem, xf.shape)
-    return QTensor(data=data, scale=public, spec=sp, shape=xf.shape, orig_dtype=orig_dtype,
-                   tensor_scale=tensor_scale, counts=counts)
+    return QTensor(data=data, scale=public, spec=sp, shape=xf.shape, orig_dtype=orig_dtype, tensor_scale=tensor_scale,
+                   counts=_counts(x2, vals, overflow, None if fmt.is_integer else fmt.min_normal) if counts else {})
 
 
 def fake_quantize(x: torch.Tensor, spec: SpecLike, **kw: Any) -> torch.Tensor:

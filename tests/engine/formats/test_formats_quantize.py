@@ -281,6 +281,38 @@ def test_passthrough_stats():
     assert quantize(x, "bf16").dequantize().dtype == torch.float32
 
 
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_counts_off_keeps_data_and_scales_and_stats_says_why(spec):
+    """quantize(..., counts=False) skips the count reductions only: the same data, scales and tensor scale; stats()
+    of such a QTensor is an error naming the flag, not zeros."""
+    x = _x(4, 256, scale=300.0)
+    x[0, 0] = 1e-30  # something to count (underflow) under every format
+    on, off = quantize(x, spec), quantize(x, spec, counts=False)
+    assert on.counts and not off.counts
+    assert torch.equal(on.data, off.data)
+    assert (on.scale is None and off.scale is None) or torch.equal(on.scale, off.scale)
+    assert (on.tensor_scale is None and off.tensor_scale is None) or torch.equal(on.tensor_scale, off.tensor_scale)
+    assert on.stats()["n"] == x.numel()
+    with pytest.raises(ValueError, match="quantized without its counts: quantize it with counts=True"):
+        off.stats()
+
+
+def test_numerics_gathers_counts_for_its_observer_only():
+    """`Numerics.quant` gathers a quantization's counts while an observer is installed (what layer_error and
+    calibration read), and skips them otherwise; the values are the same."""
+    from engine.numerics import Numerics
+    from engine.recipe import load_recipe
+
+    nx = Numerics(load_recipe("fp8-block"))
+    x = _x(8, 256)
+    bare = nx.quant(x, "linear.input", "layers.0.mlp.down_proj")
+    seen = []
+    nx.observer = lambda module, site, q: seen.append(q.stats()["n"])
+    watched = nx.quant(x, "linear.input", "layers.0.mlp.down_proj")
+    assert not bare.counts and seen == [x.numel()]
+    assert torch.equal(bare.dequantize(), watched.dequantize())
+
+
 def test_stochastic_quantize_unbiased():
     """Stochastic rounding through quantize is unbiased on average."""
     x = _x(64, 128, seed=9)
