@@ -298,8 +298,9 @@ class Numerics:
         and quantizes it for o_proj returns that quantization as `fused` (None here). The emulation writes through the formats library (a KV format the pages do not
         hold is stored as `kv_store`'s values in fp32 pages) and attends each sequence on its gathered pages."""
         self._paged_write(view, layer, k, v, module)
-        q_pos = view.positions(q.shape[2])
-        t = q.shape[2]  # one gather per sequence (the rows' positions read on the host once per forward)
+        t = q.shape[2]
+        q_pos = view.positions(t)
+        # one gather per sequence (the rows' positions read on the host once per forward)
         rows = [view.rt.kv.gather(layer, sid, st + t) for sid, st in zip(*view.host_rows())]
         outs = [self.attention(q[b:b + 1], kb, vb, q_pos[b], torch.arange(kb.shape[2], device=q.device), module,
                                window) for b, (kb, vb) in enumerate(rows)]
