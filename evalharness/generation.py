@@ -1,6 +1,6 @@
 """Generation requests from the evaluations to a model: all at once, batched as the model serves them.
 
-The engine (`engine.api.Engine.generate_batch`: the paged serving runtime, or the contiguous cache under TP / EP) and
+The engine (`engine.api.Engine.generate_batch`: the paged serving runtime, on every rank under TP / EP) and
 the FP32 reference (`evalharness.reference.ReferenceLM.generate_batch`: transformers with its KV cache, padded
 batches) both take the whole request list; a third-party engine that offers only the one-request
 ``generate(prompt, max_new_tokens, stop_ids, return_logits)`` of the narrow interface is driven one request at a
