@@ -12,9 +12,9 @@ position. On `cuda-native` the attention reads the pages directly (Triton
 paged decode kernel); the emulated backends gather each sequence's pages and
 run the emulated attention (so the runtime is tested on the CPU in CI, and
 its only numerical difference from `Engine.generate` is batch composition). MLA models keep their RoPE'd
-key and latent in the pages (one K head, the latent as V) and rebuild the batch's keys and values from
-them per step (every row at once, padded to the longest), as `Engine.generate` does on its contiguous latent cache. With `cuda_graphs`, the
-decode step of each batch size is captured once and replayed (static token,
+key and latent in the pages (one K head, the latent as V) and rebuild the batch's keys and values from them
+per step (every row at once, padded to the longest), as `Engine.generate` does on its contiguous latent
+cache. With `cuda_graphs`, the decode step of each batch size is captured once and replayed (static token,
 slot and position buffers; no host sync inside a step; GQA/MQA on a backend whose paged attention reads
 nothing on the host).
 
