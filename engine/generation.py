@@ -98,7 +98,7 @@ class Recorder:
             if stats is not None:
                 g.entropy, g.margin = stats[0][i][:n], stats[1][i][:n]
             if self.logits is not None:
-                g.logits = torch.stack(self.logits[i])
+                g.logits = torch.stack(self.logits[i][:n])
             out.append(g)
         return out
 

@@ -245,8 +245,9 @@ class PagedRuntime:
         id produced) leaves the batch and its slot takes the next waiting request (prefilled, then decoding with
         the others). Results in request order; per-step statistics as `engine.generation.Recorder` keeps them.
 
-        Nothing leaves the device per step unless a live request has stop ids (its tokens are then read back to
-        check them). With CUDA graphs, each batch size's decode step is captured once and replayed.
+        Nothing leaves the device per step: stop ids are matched on the device and read back every
+        `stop_check_every` steps (`ServingConfig`), a request past its stop id decoding on until then (its extra
+        tokens cut off). With CUDA graphs, each batch size's decode step is captured once and replayed.
         `on_done(n)` is told each time n more requests finished (a progress bar).
         """
         requests = cap_requests(requests, self.engine.cfg.max_position)
@@ -287,13 +288,28 @@ class PagedRuntime:
                                  device=dev)
             pos = torch.tensor([lengths[i] for i, _ in live], dtype=torch.long, device=dev)
             host_rows = [i for i, _ in live]
+            stops = self._stop_table(requests, host_rows)  # (b, S) or None: no live request has stop ids
+            stop_at = torch.full_like(pos, -1)  # output position of each row's first stop id (-1: none yet)
+            steps = 0
             while True:  # decode steps of this batch composition
                 logits = self._decode(tokens[:, None], ids, start)  # (b, vocab)
                 tokens = rec.record(rows, pos, logits, host_rows)
-                start, pos = start + 1, pos + 1
+                if stops is not None:
+                    stop_at = torch.where(((tokens[:, None] == stops).any(1)) & (stop_at < 0), pos, stop_at)
+                start, pos, steps = start + 1, pos + 1, steps + 1
                 for i in host_rows:
                     lengths[i] += 1
-                keep = self._unfinished(requests, live, tokens, lengths)
+                budget = [lengths[i] >= requests[i].max_new_tokens for i in host_rows]
+                # stop ids are read back every stop_check_every steps (and when the batch changes anyway): a row
+                # past its stop id decodes on until then, its extra tokens cut off by its length
+                check = stops is not None and (any(budget) or steps % self.config.stop_check_every == 0)
+                at = stop_at.tolist() if check else [-1] * len(live)
+                keep = []
+                for j, i in enumerate(host_rows):
+                    if at[j] >= 0:
+                        lengths[i] = at[j] + 1
+                    elif not budget[j]:
+                        keep.append(j)
                 if len(keep) < len(live):  # the batch changes: rebuild its tensors (and admit waiting requests)
                     if on_done is not None:
                         on_done(len(live) - len(keep))
@@ -302,6 +318,14 @@ class PagedRuntime:
                     tokens = tokens[keep]
                     break
         return rec.results(lengths)
+
+    def _stop_table(self, requests: Sequence[GenerationRequest], rows: list[int]) -> Optional[torch.Tensor]:
+        """The stop ids of requests `rows` as a (b, S) device tensor padded with -1 (no token); None if none has any."""
+        width = max(len(requests[i].stop_ids) for i in rows)
+        if not width:
+            return None
+        return torch.tensor([list(requests[i].stop_ids) + [-1] * (width - len(requests[i].stop_ids)) for i in rows],
+                            dtype=torch.long, device=self.device)
 
     @staticmethod
     def _unfinished(requests: Sequence[GenerationRequest], batch: list[tuple[int, int]], tokens: torch.Tensor,

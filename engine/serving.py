@@ -20,7 +20,9 @@ class ServingConfig:
     call that wrote them, so a hit can differ from a miss (the invariance eval measures it);
     fp8_paged_max_tq: on the native backend, calls of more tokens than this on FP8 pages write through the
     formats library and attend emulated instead of on the paged kernels (None: no limit, the default; a bound
-    to bisect a paged-kernel fault with).
+    to bisect a paged-kernel fault with); stop_check_every: decode steps between read-backs of the stop ids matched
+    on the device (1: every step; more: fewer host synchronizations, a request past its stop id decoding on until
+    the next read-back, its extra tokens cut off).
     """
 
     kv_block_size: int = 16
@@ -30,11 +32,12 @@ class ServingConfig:
     cuda_graphs: bool = False
     prefix_cache: bool = False
     fp8_paged_max_tq: Optional[int] = None
+    stop_check_every: int = 8
 
     def __post_init__(self) -> None:
         if self.kv_block_size not in KV_BLOCK_SIZES:
             raise ValueError(f"kv_block_size {self.kv_block_size}: use one of {KV_BLOCK_SIZES}")
-        for key in ("max_batch", "max_tokens"):
+        for key in ("max_batch", "max_tokens", "stop_check_every"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):

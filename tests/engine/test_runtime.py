@@ -174,3 +174,31 @@ def test_rows_paged_attention_serves_as_the_gathered_rows(tiny, monkeypatch):
     assert calls and got_out == want_out
     assert max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)) <= 1e-4
     assert not eng.nx.paged_graphs(torch.float32)  # the emulation's own paged attention reads lengths on the host
+
+
+@pytest.mark.parametrize("every", [1, 3, 8])
+def test_stop_ids_read_back_every_few_steps_end_where_one_at_a_time_does(tiny, every):
+    """Stop ids are matched on the device and read back every `stop_check_every` steps: a request past its stop id
+    decodes on until then, and its output (tokens, step logits) still ends at the stop id, as Engine.generate's
+    one request at a time. The rows decoded past their stop ids are the price: more rows the rarer the read-back."""
+    from engine.generation import GenerationRequest
+
+    eng = Engine(tiny, "fp32")
+    free_run = [eng.generate(p, 12) for p in PROMPTS]
+    # each request its own stop ids: a token of its free-running output (at output positions 1, 4, 6 and never)
+    stops = [(free_run[0][1],), (free_run[1][4], 99999), (free_run[2][6],), ()]
+    reqs = [GenerationRequest(tuple(p), 12, s) for p, s in zip(PROMPTS, stops)]
+    want = [eng.generate(list(r.prompt), 12, stop_ids=r.stop_ids, return_logits=True) for r in reqs]
+    assert [len(w[0]) for w in want][:3] == [free_run[0].index(stops[0][0]) + 1, free_run[1].index(stops[1][0]) + 1,
+                                              free_run[2].index(stops[2][0]) + 1]
+    rt = PagedRuntime(eng, ServingConfig(max_tokens=64, max_batch=4, stop_check_every=every))
+    before = eng.work["decode_rows"]
+    got = rt.serve(reqs, keep_logits=True)
+    rows = eng.work["decode_rows"] - before
+    assert [g.tokens for g in got] == [w[0] for w in want]
+    for g, w in zip(got, want):
+        assert g.logits.shape == w[1].shape and (g.logits - w[1]).abs().max().item() <= 1e-4
+    exact = sum(len(w[0]) - 1 for w in want)  # each request's decode steps (its first token is the prefill's)
+    assert rows == exact if every == 1 else rows > exact
+    with pytest.raises(ValueError, match="stop_check_every"):
+        ServingConfig(stop_check_every=0)
