@@ -102,18 +102,19 @@ class RecipeScorer:
         return out
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    """Mean with a t-interval over windows (inf if any window is non-finite)."""
+def _summary(values: list[float], lower: float | None = 0.0) -> dict[str, float]:
+    """Mean with a t-interval over windows (inf if any window is non-finite); `lower`: the least the mean can be
+    (0 for the windows' KL divergences, None for a difference of them)."""
     if any(not math.isfinite(v) for v in values):
         return {"mean": math.inf, "lo": math.inf, "hi": math.inf}
-    ci = stats.mean_ci(values)
+    ci = stats.mean_ci(values, lower=lower)
     return {"mean": ci["mean"], "lo": ci["lo"], "hi": ci["hi"]}
 
 
 def _delta(a: list[float], b: list[float]) -> dict[str, float]:
     """Paired delta mean(b - a) with its interval."""
     d = [y - x for x, y in zip(a, b)]
-    return _summary(d)
+    return _summary(d, lower=None)
 
 
 def sensitivity(scorer: RecipeScorer, low: Recipe, high: Recipe, units: list[Unit], budget: int | None = None,

@@ -155,7 +155,7 @@ def run_ppl_kld(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float]
     pr = stats.ppl_ci(nll_r_t.tolist(), clusters=clusters)
     pe = stats.ppl_ci(nll_e_t.tolist(), clusters=clusters)
     ratio = stats.ppl_ratio_ci(nll_r_t.tolist(), nll_e_t.tolist(), clusters=clusters)
-    km = stats.mean_ci(kld_t.tolist(), clusters=clusters)
+    km = stats.mean_ci(kld_t.tolist(), clusters=clusters, lower=0.0)  # a KL divergence is >= 0
     k_agree = int(agree_t.sum())
     top1 = stats.binomial_ci(k_agree, int(agree_t.numel()))
     metrics.update({

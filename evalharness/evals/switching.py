@@ -73,7 +73,7 @@ def run_switching(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, floa
     k_lo, k_hi = _kld_rows(lr, lo_t), _kld_rows(lr, hi_t)
     m: dict[str, float] = {}
     for name, k, t in (("low", k_lo, lo_t), ("high", k_hi, hi_t)):
-        ci = mean_ci(k.tolist())
+        ci = mean_ci(k.tolist(), lower=0.0)  # a KL divergence is >= 0
         mean, lo, hi = ci["mean"], ci["lo"], ci["hi"]
         m.update({f"{name}.kld_mean": mean, f"{name}.kld_mean_lo": lo, f"{name}.kld_mean_hi": hi,
                   f"{name}.top1_agree": float((t.argmax(-1) == ref.argmax(-1)).double().mean())})

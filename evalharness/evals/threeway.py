@@ -51,7 +51,8 @@ def _kld(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
 
 
 def _mean_ci(x: torch.Tensor) -> tuple[float, float, float]:
-    """Mean with its Student-t 95% interval over per-window values (`evalharness.stats.mean_ci`)."""
+    """Mean with its Student-t 95% interval over per-window KL divergences (`evalharness.stats.mean_ci`, bounded
+    below by 0)."""
     from evalharness.stats import mean_ci
 
     if not bool(torch.isfinite(x).all()):
@@ -61,7 +62,7 @@ def _mean_ci(x: torch.Tensor) -> tuple[float, float, float]:
     values = x.double().flatten().tolist()
     if len(values) < 2:
         return values[0], values[0], values[0]
-    ci = mean_ci(values)
+    ci = mean_ci(values, lower=0.0)
     return ci["mean"], ci["lo"], ci["hi"]
 
 

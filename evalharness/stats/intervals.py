@@ -17,7 +17,7 @@ __all__ = ["mean_ci", "binomial_ci", "quantile_ci", "bootstrap_ci"]
 
 # --------------------------------------------------------------------------- mean
 
-def mean_ci(x: Any, alpha: float = 0.05, clusters: Any = None) -> dict:
+def mean_ci(x: Any, alpha: float = 0.05, clusters: Any = None, lower: float | None = None) -> dict:
     """Two-sided ``1 - alpha`` Student-t confidence interval for the mean of ``x``.
 
     iid (``clusters`` is None)::
@@ -38,6 +38,10 @@ def mean_ci(x: Any, alpha: float = 0.05, clusters: Any = None) -> dict:
     cluster holds one observation, and grows by ~sqrt(cluster size) for perfectly
     correlated clusters.)
 
+    ``lower``: the smallest value the mean can take (0 for a mean of nonnegative values,
+    such as a KL divergence); the interval is intersected with ``[lower, inf)``, which keeps
+    its coverage (a t-interval of skewed data, e.g. all windows 0 but one, reaches below 0).
+
     Returns ``{mean, se, lo, hi, n, n_clusters, df, alpha}``; ``n_clusters`` equals
     ``n`` without clusters (each observation its own cluster). ``se``/``lo``/``hi``
     are NaN when not estimable (n < 2 or fewer than 2 clusters); ``lo == hi == mean``
@@ -53,9 +57,11 @@ def mean_ci(x: Any, alpha: float = 0.05, clusters: Any = None) -> dict:
         m, se, df = mean_se(arr, codes, g)
     q = t_quantile(1.0 - alpha / 2.0, df)
     half = q * se
-    return {"mean": to_float(m), "se": to_float(se), "lo": to_float(m - half),
-            "hi": to_float(m + half), "n": to_int(arr.shape[0]), "n_clusters": to_int(g),
-            "df": to_int(df), "alpha": alpha}
+    lo, hi = to_float(m - half), to_float(m + half)
+    if lower is not None:  # NaN (not estimable) stays NaN
+        lo, hi = (lower if v < lower else v for v in (lo, hi))
+    return {"mean": to_float(m), "se": to_float(se), "lo": lo, "hi": hi, "n": to_int(arr.shape[0]),
+            "n_clusters": to_int(g), "df": to_int(df), "alpha": alpha}
 
 
 # --------------------------------------------------------------------- binomial

@@ -100,6 +100,19 @@ def test_mean_ci_t_interval_by_hand():
     assert_plain(r)
 
 
+def test_mean_ci_lower_bound_cuts_the_interval_at_what_the_mean_can_be():
+    """A KL divergence is >= 0: all windows 0 but one gives a t-interval reaching below 0, which `lower=0` cuts
+    there; the mean, se and an upper end above the bound are unchanged, and a not estimable interval stays NaN."""
+    x = [0.0] * 255 + [3e-4]
+    free, cut = mean_ci(x), mean_ci(x, lower=0.0)
+    assert free["lo"] < 0 and cut["lo"] == 0.0
+    assert (cut["mean"], cut["se"], cut["hi"]) == (free["mean"], free["se"], free["hi"])
+    inside = mean_ci([2.1, 3.4, 1.9, 5.6, 4.0], lower=0.0)
+    assert inside["lo"] == mean_ci([2.1, 3.4, 1.9, 5.6, 4.0])["lo"] > 0
+    assert math.isnan(mean_ci([1.0], lower=0.0)["lo"])
+    assert_plain(cut)
+
+
 def test_mean_ci_cluster_singletons_equals_iid():
     x = np.random.default_rng(3).normal(size=57)
     iid = mean_ci(x)
