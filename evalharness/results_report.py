@@ -4,7 +4,9 @@ What it writes (DIR/):
 
 * ``report.md``: the run table (PPL ratio, KLD mean with 95% intervals, KLD
   tails p99 / p99.9 / max, top-1 agreement, logits rel-L2, time), failed runs
-  with their errors, task deltas when ``tasks.*`` metrics exist, the plots,
+  with their errors, task deltas when ``tasks.*`` metrics exist, the long-context
+  probes when ``longctx.*`` metrics exist (naming the models whose reference retrieves
+  no passkey), the plots,
   and (with ``--history``) the trend of every gated metric over the nightlies.
 * ``error_vs_depth_<model>.png``: rel-L2 of ``layers.{i}.resid_out`` vs layer
   index (log scale), one line per recipe: where error enters and grows.
@@ -234,6 +236,43 @@ def _task_table(docs: list[dict[str, Any]]) -> list[str]:
              "McNemar p | n |", "|---|---|---|---|---|---|---|---|---|"] + rows + [""])
 
 
+def _pair(m: dict[str, Any], key: str) -> str:
+    """'engine / reference' of a long-context measure kept for both (`<key>_eng`, `<key>_ref`)."""
+    return f"{_fmt(m.get(f'{key}_eng', '-'))} / {_fmt(m.get(f'{key}_ref', '-'))}"
+
+
+def _longctx_table(docs: list[dict[str, Any]]) -> list[str]:
+    """Markdown table of the long-context probes (only when longctx.* metrics exist), and the models whose FP32
+    reference retrieves no passkey: there the passkey probe cannot tell a recipe's loss from the model's."""
+    rows, blind = [], set()
+    for d in sorted(docs, key=lambda d: (_names(d), _backend(d))):
+        m = d.get("metrics") or {}
+        if not any(k.startswith("longctx.") for k in m):
+            continue
+        model, recipe, serving = _names(d)
+        if m.get("longctx.passkey_n") and m.get("longctx.passkey_acc_ref") == 0:
+            blind.add(model)
+        div = (f"{_fmt(m['longctx.div_frac'])} ({_fmt(m.get('longctx.div_real_error_frac', '-'))})"
+               if "longctx.div_frac" in m else "-")
+        kld = (f"{_fmt(m.get('longctx.kld_first'))} → {_fmt(m.get('longctx.kld_last'))} "
+               f"(x{_fmt(m.get('longctx.kld_growth'), 3)})" if "longctx.kld_first" in m else "-")
+        rows.append(f"| {model} | {recipe} | {serving} | {_ci(m, 'longctx.passkey_acc_eng')} | "
+                    f"{_ci(m, 'longctx.passkey_acc_ref')} | {_fmt(m.get('longctx.passkey_mcnemar_p', '-'))} | {div} | "
+                    f"{_pair(m, 'longctx.rep3')} | {_pair(m, 'longctx.loop')} | {kld} |")
+    if not rows:
+        return []
+    notes = ([f"The FP32 reference retrieves no passkey on {', '.join(sorted(blind))}: there the passkey columns "
+              "cannot show a recipe's loss.", ""] if blind else [])
+    return (["## Long context", "",
+             "Passkey retrieval accuracy (engine, reference; paired McNemar p), the share of greedy generations that "
+             "part from the reference's (of them, those where the reference's top-1 margin was not a near-tie), "
+             "3-gram repetition and loop rates (engine / reference), and the token KLD from the first to the last "
+             "position bucket.", "",
+             "| model | recipe | serving | passkey eng [95% CI] | passkey ref [95% CI] | McNemar p | diverged (real "
+             "error) | rep-3 eng / ref | loops eng / ref | KLD first → last (growth) |",
+             "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""] + notes)
+
+
 def build_report(results_dir: str | Path, out_dir: str | Path, history: list[str | Path] | None = None,
                  ) -> Path:
     """Write report.md and the PNG plots of `results_dir` into `out_dir`; returns the report path."""
@@ -259,6 +298,7 @@ def build_report(results_dir: str | Path, out_dir: str | Path, history: list[str
         lines.append("")
     lines += _threeway_table(docs)
     lines += _task_table(docs)
+    lines += _longctx_table(docs)
     plots: list[tuple[str, Path]] = []
     for model, runs in sorted(_by_model(docs).items()):
         safe = _SAFE.sub("-", model)

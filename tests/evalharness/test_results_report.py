@@ -159,3 +159,27 @@ def test_report_of_the_h200_gpu_suite_shows_backends_and_three_way(tmp_path):
                if line.startswith("| zoo-moe | fp8-block | default | cuda-native |") and "none" in line)
     assert "| 0.0221 [0.01615, 0.02805] | 0.01561 [0.01114, 0.02008] |" in row and row.rstrip().endswith("| none |")
     assert (tmp_path / "kld_zoo-moe.png").exists()
+
+
+def test_report_long_context_table_names_models_whose_reference_finds_no_passkey(tmp_path):
+    """The long-context section shows passkey accuracies with intervals, divergence, repetition, loops and KLD
+    growth per run, and names the model on which the FP32 reference retrieves no passkey (the probe is blind
+    there); no section without longctx metrics."""
+    docs = []
+    for model, ref_acc in (("small", 0.0), ("big", 0.9)):
+        doc = _result(model, "fp8-kv", 0.01, 1.01, [0.01, 0.02])
+        doc["metrics"].update({
+            "longctx.passkey_n": 40.0, "longctx.passkey_acc_ref": ref_acc, "longctx.passkey_acc_ref_lo": 0.0,
+            "longctx.passkey_acc_ref_hi": 0.95, "longctx.passkey_acc_eng": ref_acc * 0.5,
+            "longctx.passkey_acc_eng_lo": 0.0, "longctx.passkey_acc_eng_hi": 0.6, "longctx.passkey_mcnemar_p": 0.02,
+            "longctx.div_frac": 0.75, "longctx.div_real_error_frac": 0.25, "longctx.rep3_eng": 0.31,
+            "longctx.rep3_ref": 0.3, "longctx.loop_eng": 0.125, "longctx.loop_ref": 0.0,
+            "longctx.kld_first": 0.005, "longctx.kld_last": 0.008, "longctx.kld_growth": 1.6})
+        docs.append(doc)
+    md = build_report(_write_dir(tmp_path / "r", docs), tmp_path / "o").read_text()
+    assert "## Long context" in md
+    assert ("| big | fp8-kv | default | 0.45 [0, 0.6] | 0.9 [0, 0.95] | 0.02 | 0.75 (0.25) | 0.31 / 0.3 | "
+            "0.125 / 0 | 0.005 → 0.008 (x1.6) |") in md
+    assert "The FP32 reference retrieves no passkey on small:" in md
+    plain = build_report(_write_dir(tmp_path / "p", [_result("m", "fp8-block", 0.01, 1.01, [0.01])]), tmp_path / "q")
+    assert "Long context" not in plain.read_text()
