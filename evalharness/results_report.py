@@ -218,15 +218,19 @@ def _run_table(docs: list[dict[str, Any]]) -> list[str]:
 
 
 def _task_table(docs: list[dict[str, Any]]) -> list[str]:
-    """Markdown table of task deltas (only when tasks.* metrics exist)."""
+    """Markdown table of task deltas (only when tasks.* metrics exist): the tasks `evalharness.report.table_tasks`
+    picks (each run's configured tasks, a group such as `mmlu` by its pooled statistics; its subjects stay in the
+    result files)."""
+    from evalharness.report import table_tasks
+
+    tasks = table_tasks(docs)
     rows = []
     for d in sorted(docs, key=lambda d: _names(d)):
         m = d.get("metrics") or {}
-        for k in sorted(m):
-            t = _TASK_DELTA.match(k)
-            if t:
-                task = t.group(1)
-                model, recipe, serving = _names(d)
+        model, recipe, serving = _names(d)
+        for task in tasks:
+            k = f"tasks.{task}.delta"
+            if k in m:
                 rows.append(f"| {model} | {recipe} | {serving} | {task} | {_fmt(m.get(f'tasks.{task}.acc_ref'))} | "
                             f"{_fmt(m.get(f'tasks.{task}.acc_eng'))} | {_ci(m, k)} | "
                             f"{_fmt(m.get(f'tasks.{task}.mcnemar_p', '-'))} | {_fmt(m.get(f'tasks.{task}.n', '-'))} |")

@@ -183,3 +183,13 @@ def test_report_long_context_table_names_models_whose_reference_finds_no_passkey
     assert "The FP32 reference retrieves no passkey on small:" in md
     plain = build_report(_write_dir(tmp_path / "p", [_result("m", "fp8-block", 0.01, 1.01, [0.01])]), tmp_path / "q")
     assert "Long context" not in plain.read_text()
+
+
+def test_report_task_table_shows_a_group_not_its_subjects(tmp_path):
+    """A configured group (lm-eval's mmlu) appears by its pooled statistics; its subjects stay in the result file."""
+    doc = _result("m", "fp8-block", 0.01, 1.01, [0.01], tasks={"mmlu": (-0.01, -0.02, 0.0),
+                                                              "mmlu_anatomy": (-0.1, -0.3, 0.1)})
+    doc["spec"]["evals"] = {"tasks": {"tasks": ["mmlu"]}}
+    md = build_report(_write_dir(tmp_path / "r", [doc]), tmp_path / "o").read_text()
+    assert "| m | fp8-block | default | mmlu | 0.5 | 0.49 | -0.01 [-0.02, 0] | 0.3 | 200 |" in md
+    assert "mmlu_anatomy" not in md
