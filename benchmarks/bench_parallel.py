@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_e2e import QWEN3_MOE  # noqa: E402
 from benchmarks.bench_harness import build_checkpoint  # noqa: E402
 from benchmarks.common import fingerprint  # noqa: E402
+from evalharness.evals.tokenstats import kl_from_logprobs  # noqa: E402
 
 # A small Qwen3-MoE shape for the CPU self-check.
 TINY_MOE = {**QWEN3_MOE, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
@@ -46,7 +47,7 @@ LAYOUTS = ((1, 2), (2, 1), (2, 2))
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Logits a (TP=1) vs b (batch, t, vocab) on their device: KLD(a || b) mean / max, top-1 agreement, bitwise."""
     la, lb = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
-    kld = (la.exp() * (la - lb)).sum(-1)
+    kld = kl_from_logprobs(la, lb)
     return {"kld_mean": float(kld.mean()), "kld_max": float(kld.max()),
             "top1": float((a.argmax(-1) == b.argmax(-1)).double().mean()), "bitwise": bool(torch.equal(a, b))}
 

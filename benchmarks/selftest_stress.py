@@ -33,6 +33,7 @@ def main() -> None:
     from engine.loading import load_model
     from engine.model import Transformer
     from benchmarks.common import fingerprint
+    from evalharness.evals.tokenstats import kl_from_logprobs
     from tests.conftest import write_random_llama
 
     print("machine:", json.dumps(fingerprint("cpu")))
@@ -54,7 +55,7 @@ def main() -> None:
                  sel / "kv-k-per-tensor.yaml"):
         t0 = time.time()
         lq = torch.log_softmax(Engine(model, str(name)).logits(x).double(), -1)
-        kld = float((ref.exp() * (ref - lq)).sum(-1).mean())
+        kld = float(kl_from_logprobs(ref, lq).mean())
         print(f"{Path(str(name)).stem:48s} {kld:18.5f} {time.time() - t0:6.1f}")
 
 

@@ -29,6 +29,7 @@ from engine.api import Engine
 from engine.model import Transformer
 from engine.recipe import SITES, Recipe
 from evalharness import stats
+from evalharness.evals.tokenstats import kl_from_logprobs
 
 # Module kinds: the module-path globs a kind covers (fused quant points + their GEMMs).
 MODULE_KINDS: dict[str, tuple[str, ...]] = {
@@ -95,7 +96,7 @@ class RecipeScorer:
             x, y = self.inputs[s:s + self.batch_size], self.targets[s:s + self.batch_size]
             le = torch.log_softmax(engine.logits(x).double().cpu(), -1)  # (batch, t, vocab)
             lr = self.ref[s:s + x.shape[0]]
-            k = (lr.exp() * (lr - le)).sum(-1)  # (batch, t)
+            k = kl_from_logprobs(lr, le)  # (batch, t)
             mask = y >= 0
             k = torch.where(torch.isfinite(k), k, torch.full_like(k, math.inf))
             out += ((k * mask).sum(-1) / mask.sum(-1).clamp_min(1)).tolist()

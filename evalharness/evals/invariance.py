@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from evalharness.evals import EvalContext
+from evalharness.evals.tokenstats import kl_from_logprobs
 
 VARIANT_KEYS = ("name", "batch_size", "prefill_chunk", "tp", "ep", "attn_block", "small_m", "kv_block_size",
                 "cuda_graphs", "prefix_cache")
@@ -176,7 +177,7 @@ def run_invariance(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, flo
             engine = served
         b = _logits(engine, win.inputs, v["batch_size"], v["prefill_chunk"])
         lb = torch.log_softmax(b.double(), -1)
-        kld = (la.exp() * (la - lb)).sum(-1)  # (windows, t)
+        kld = kl_from_logprobs(la, lb)  # (windows, t)
         p = v["name"]
         metrics[f"{p}.bitwise_equal_frac"] = float((a == b).all(-1).double().mean())
         metrics[f"{p}.kld_mean"] = float(kld.mean())

@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from evalharness.evals import EvalContext
+from evalharness.evals.tokenstats import kl_from_logprobs
 
 
 def _kld_rows(lr: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-window mean token KL(ref || engine) (windows,) from reference log-probs."""
     le = torch.log_softmax(logits.double(), -1)
-    return (lr.exp() * (lr - le)).sum(-1).mean(-1)
+    return kl_from_logprobs(lr, le).mean(-1)
 
 
 def _timed(fn, reps: int) -> float:

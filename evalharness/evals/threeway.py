@@ -41,13 +41,9 @@ import torch
 
 from evalharness.evals import EvalContext
 from evalharness.evals.errorstats import ErrorAccumulator
+from evalharness.evals.tokenstats import kl_from_logprobs
 
 ID_SUFFIX = ".moe.topk"
-
-
-def _kld(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(p || q) from log-probs (..., vocab) in float64."""
-    return (lp.exp() * (lp - lq)).sum(-1)
 
 
 def _mean_ci(x: torch.Tensor) -> tuple[float, float, float]:
@@ -124,7 +120,7 @@ def run_threeway(ctx: EvalContext, cfg: dict[str, Any]) -> tuple[dict[str, float
         lr, le, ln = (torch.log_softmax(x, -1) for x in (r, e, n))
         for key, (a, b, la, lb) in {"format": (r, e, lr, le), "kernel": (e, n, le, ln),
                                     "total": (r, n, lr, ln)}.items():
-            kld[key].append(_kld(la, lb).mean(-1))  # (batch,) per window
+            kld[key].append(kl_from_logprobs(la, lb).mean(-1))  # (batch,) per window
             top1[key].append((a.argmax(-1) == b.argmax(-1)).double().mean(-1))
     metrics: dict[str, float] = {}
     samples: dict[str, list] = {"tap_order": order}

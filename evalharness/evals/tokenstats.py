@@ -29,6 +29,13 @@ def _slices(rows: int, vocab: int):
         yield slice(a, min(rows, a + step))
 
 
+def kl_from_logprobs(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dimension from log-probabilities (..., vocab): the one token-KLD formula of the
+    harness (every evaluation, the sensitivity search and the benchmarks call it). A -inf in both at an id adds NaN
+    (0 * nan): callers that can meet masked vocabularies handle non-finite results themselves."""
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
 def reference_summary(logits: torch.Tensor, targets: torch.Tensor, k: int | None) -> dict[str, torch.Tensor]:
     """The reference side of the comparison for logits (..., vocab) and targets (...) (negative: not scored).
 
@@ -77,13 +84,13 @@ def compare(ref: dict[str, torch.Tensor], eng_logits: torch.Tensor, targets: tor
         if full:
             lr = torch.log_softmax(r["logits"][sl].double(), dim=-1)  # (rows, vocab)
             out["lr_t"].append(lr.gather(-1, tgt[sl, None])[:, 0])
-            out["kld"].append((lr.exp() * (lr - le)).sum(-1))
+            out["kld"].append(kl_from_logprobs(lr, le))
             out["agree"].append(lr.argmax(-1) == top)
         else:
             idx, lp, log_tail = r["idx"][sl], r["lp"][sl], r["log_tail"][sl]
             le_k = le.gather(-1, idx)  # engine log-probs at the reference's top-k ids
             q_tail = (1.0 - le_k.exp().sum(-1)).clamp_min(1e-300)
-            out["kld"].append((lp.exp() * (lp - le_k)).sum(-1) + log_tail.exp() * (log_tail - q_tail.log()))
+            out["kld"].append(kl_from_logprobs(lp, le_k) + log_tail.exp() * (log_tail - q_tail.log()))
             out["agree"].append(idx[:, 0] == top)
             out["lr_t"].append(r["tgt"][sl])
             out["tail"].append(log_tail.exp())

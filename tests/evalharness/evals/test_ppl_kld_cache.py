@@ -72,3 +72,22 @@ def test_matrix_of_recipes_runs_the_reference_once(parts):
                           counters=counters, bos_id=1)
         run_eval("ppl_kld", ctx, CFG)
     assert counters["reference_passes"] == 1 and counters["reference_cache_hits"] == 3
+
+
+def test_kl_from_logprobs_is_scipys_relative_entropy():
+    """The harness's one token-KLD formula against scipy's relative entropy, row by row, and 0 for a row with itself."""
+    import numpy as np
+    import torch
+    from scipy.stats import entropy
+
+    from evalharness.evals.tokenstats import kl_from_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(3, 5, 97, generator=g, dtype=torch.float64) * 3, -1)
+    lq = torch.log_softmax(torch.randn(3, 5, 97, generator=g, dtype=torch.float64) * 3, -1)
+    got = kl_from_logprobs(lp, lq)
+    want = entropy(lp.exp().numpy(), lq.exp().numpy(), axis=-1)
+    assert got.shape == (3, 5)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10)
+    assert bool((got > 0).all())
+    assert torch.equal(kl_from_logprobs(lp, lp), torch.zeros(3, 5, dtype=torch.float64))
