@@ -285,11 +285,8 @@ class PagedKVCache:
             y = x[pages].transpose(1, 2)  # (batch, h, num_blocks, block, ...)
             return y.reshape(y.shape[0], y.shape[1], num_blocks * self.block_size, *y.shape[4:])
 
-        k, v = take(self.k_data(layer)).float(), take(self.v_data(layer)).float()
-        if self.fp8:
-            k = k * take(self._ks[layer])[..., None]
-            v = v * take(self._vs[layer]).repeat_interleave(128, dim=-1)[..., :self.head_dim_v]
-        return k, v
+        ks, vs = (take(self._ks[layer]), take(self._vs[layer])) if self.fp8 else (None, None)
+        return self._values(take(self.k_data(layer)), ks, take(self.v_data(layer)), vs)
 
     def gather(self, layer: int, seq_id: int, length: Optional[int] = None, dequantize: bool = True):
         """Contiguous K/V of one sequence (the emulated paged attention's read, MLA's latent read, tests). The pages
@@ -316,11 +313,17 @@ class PagedKVCache:
         vs = take(self._vs[layer]) if self.fp8 else None
         if not dequantize:
             return k, ks, v, vs
-        kd, vd = k.float(), v.float()
-        if self.fp8:
-            kd = kd * ks[..., None]
-            vd = vd * vs.repeat_interleave(128, dim=-1)[..., :self.head_dim_v]
-        return kd, vd
+        return self._values(k, ks, v, vs)
+
+    def _values(self, k: torch.Tensor, ks: Optional[torch.Tensor], v: torch.Tensor,
+                vs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 values of stored K / V read from the pages (any leading shape): FP8 codes times their scales (K one
+        per token and head, V one per 128-group of head_dim_v), float pages as they are (scales None)."""
+        k, v = k.float(), v.float()
+        if ks is not None:
+            k = k * ks[..., None]
+            v = v * vs.repeat_interleave(128, dim=-1)[..., :self.head_dim_v]
+        return k, v
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes one layer reads for `tokens` cached tokens: K and V data plus their scales."""
